@@ -1,0 +1,33 @@
+"""Exact metrics across ranks: sums and counts reduced once, never a mean of per-rank means."""
+import hashlib
+
+import horovod.torch as hvd
+import torch
+
+
+def allreduce_sums(sums, name="metric_sums"):
+    """Sum a dict of scalar tensors over all ranks with one allreduce.
+
+    Keys are sorted so every rank packs the same values in the same order; float64 keeps large sample counts
+    exact. Returns plain floats.
+    """
+    keys = sorted(sums)
+    packed = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).detach().cpu() for k in keys])
+    total = hvd.allreduce(packed, op=hvd.Sum, name=name)
+    return dict(zip(keys, total.tolist()))
+
+
+def params_fingerprint(model):
+    """The first 8 bytes of a SHA-256 over every parameter and buffer, as an int: equal only for bitwise-equal
+    weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest()[:8], "little", signed=True)
+
+
+def fingerprints_by_rank(model):
+    """The parameter fingerprint of every rank, gathered on all of them (rank order)."""
+    mine = torch.tensor([params_fingerprint(model)], dtype=torch.int64)
+    return hvd.allgather(mine, name="params_fingerprint").tolist()

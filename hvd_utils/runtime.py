@@ -1,0 +1,64 @@
+"""Horovod start-up: init, device pinning, CPU threads, and the rank facts the rest of the app asks for."""
+import os
+from dataclasses import dataclass
+
+import horovod.torch as hvd
+import torch
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int          # global rank of this process
+    size: int          # number of processes in the job
+    local_rank: int    # rank among the processes on this host
+    local_size: int    # processes on this host
+    device: torch.device
+    threads: int       # intra-op CPU threads of this process
+    controller: str    # "MPI" or "Gloo": which one Horovod coordinates with
+    tensor_ops: str    # what performs the collectives: "NCCL", "MPI", "Gloo"
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+def init(cpu=False):
+    """hvd.init(), then pin this rank to GPU local_rank, or share the CPU cores between the ranks of this host."""
+    hvd.init()  # Horovod: start the controller (MPI under mpirun or horovodrun --mpi, Gloo under --gloo).
+    if torch.cuda.is_available() and not cpu:
+        # Horovod: one GPU per process, chosen by the rank on this host.
+        torch.cuda.set_device(hvd.local_rank())
+        device, threads = torch.device("cuda", hvd.local_rank()), torch.get_num_threads()
+    else:
+        device = torch.device("cpu")
+        # Every rank on a host would otherwise start one thread per core: N ranks on N cores run N*N threads.
+        threads = max(1, (os.cpu_count() or 1) // hvd.local_size())
+        torch.set_num_threads(threads)
+    return Runtime(
+        rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size(),
+        device=device, threads=threads, controller=controller(), tensor_ops=tensor_ops(device))
+
+
+def launcher_rank():
+    """This process's rank as the launcher announced it, readable before hvd.init() (0 when run alone).
+
+    Lets a process that fails before Horovod starts (a bad flag, say) leave the error message to rank 0 alone.
+    """
+    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def controller():
+    return "MPI" if hvd.mpi_enabled() else "Gloo"
+
+
+def tensor_ops(device):
+    if device.type == "cuda" and hvd.nccl_built():
+        return "NCCL"
+    return controller()
+
+
+def shutdown():
+    hvd.shutdown()
