@@ -13,6 +13,9 @@ import re
 from dataclasses import dataclass, field
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, the reason and the fix."""
 
@@ -44,7 +47,8 @@ class ModelConfig:
 class OptimConfig:
     epochs: int = 15            # passes over the training set
     batch_size: int = 32        # samples per rank per step; the global batch is this times the number of ranks
-    lr: float = 0.01            # base learning rate for one rank; multiplied by the number of ranks (linear scaling)
+    lr: float = 0.025           # base learning rate for one rank; multiplied by the number of ranks (linear scaling)
+    lr_schedule: str = "cosine"  # per-step decay of the scaled rate: cosine (to 0 at the end) or constant
     momentum: float = 0.9       # SGD momentum
     weight_decay: float = 0.0   # L2 penalty added by SGD
 
@@ -52,7 +56,9 @@ class OptimConfig:
         _require(self.epochs > 0, "optim.epochs (--epochs)", self.epochs, "must be a positive number of epochs")
         _require(self.batch_size > 0, "optim.batch_size (--batch-size)", self.batch_size,
                  "must be a positive number of samples per rank")
-        _require(self.lr > 0, "optim.lr (--lr)", self.lr, "must be a positive learning rate, e.g. 0.01")
+        _require(self.lr > 0, "optim.lr (--lr)", self.lr, "must be a positive learning rate, e.g. 0.025")
+        _require(self.lr_schedule in LR_SCHEDULES, "optim.lr_schedule (--lr-schedule)", self.lr_schedule,
+                 f"must be one of: {', '.join(LR_SCHEDULES)}")
         _require(0.0 <= self.momentum < 1.0, "optim.momentum", self.momentum, "must be in [0, 1)")
         _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be 0 or more")
 
@@ -87,6 +93,7 @@ ALIASES = {
     "epochs": "optim.epochs",
     "batch-size": "optim.batch_size",
     "lr": "optim.lr",
+    "lr-schedule": "optim.lr_schedule",
     "momentum": "optim.momentum",
     "dataset": "data.dataset",
     "workers": "data.workers",

@@ -5,12 +5,14 @@ and counts are summed into tensors and read back once per epoch, when they are r
 allreduce (hvd_utils.allreduce_sums). Only `fit` talks to other ranks, and every rank runs the same collectives.
 """
 import logging
+import math
 import time
 
 import torch
 import torch.nn.functional as F
 
 import hvd_utils
+from config import LR_SCHEDULES
 
 log = logging.getLogger("hvd_train")
 
@@ -25,6 +27,21 @@ def train_step(model, optimizer, images, labels):
     return loss.detach(), logits.detach()
 
 
+def lr_factor(step, total_steps, schedule):
+    """Multiplier of the peak learning rate at optimizer step `step` (0-based) of `total_steps`."""
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        # Half a cosine from 1 to 0 over the run: large steps early, small ones that settle the weights at the end.
+        return 0.5 * (1.0 + math.cos(math.pi * min(step, total_steps) / max(1, total_steps)))
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+
+
+def make_scheduler(optimizer, schedule, total_steps):
+    """A per-step schedule: call .step() after every optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, schedule))
+
+
 def _accumulate(sums, loss, logits, labels):
     n = labels.shape[0]
     sums["loss_sum"] += loss * n
@@ -35,10 +52,11 @@ def _accumulate(sums, loss, logits, labels):
 
 
 def _zero_sums(device):
-    return {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("loss_sum", "correct1", "correct5", "count")}
+    keys = ("loss_sum", "correct1", "correct5", "count")
+    return {k: torch.zeros((), dtype=torch.float64, device=device) for k in keys}
 
 
-def train_one_epoch(model, loader, optimizer, device):
+def train_one_epoch(model, loader, optimizer, scheduler, device):
     """Train on this rank's shard; returns this rank's sums (loss_sum, correct1, correct5, count) as tensors."""
     model.train()
     sums = _zero_sums(device)
@@ -46,6 +64,7 @@ def train_one_epoch(model, loader, optimizer, device):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         loss, logits = train_step(model, optimizer, images, labels)
+        scheduler.step()
         _accumulate(sums, loss, logits, labels)
     return sums
 
@@ -77,14 +96,19 @@ def averages(totals):
     }
 
 
-def fit(model, optimizer, train_loader, val_loader, train_sampler, epochs, device, lr):
-    """Train for `epochs`, validating after each; returns the per-epoch history and the run's headline figures."""
+def fit(model, optimizer, train_loader, val_loader, train_sampler, epochs, device, schedule="constant"):
+    """Train for `epochs`, validating after each; returns the per-epoch history and the run's headline figures.
+
+    The learning rate follows `schedule` per step from the optimizer's own (already scaled) rate.
+    """
+    scheduler = make_scheduler(optimizer, schedule, epochs * len(train_loader))
     history, best_acc1, train_seconds, train_samples = [], 0.0, 0.0, 0
     for epoch in range(1, epochs + 1):
         # Horovod: a new shuffle every epoch, the same on every rank, so the shards stay disjoint.
         train_sampler.set_epoch(epoch)
+        lr = optimizer.param_groups[0]["lr"]  # at the start of the epoch
         start = time.perf_counter()
-        train_sums = train_one_epoch(model, train_loader, optimizer, device)
+        train_sums = train_one_epoch(model, train_loader, optimizer, scheduler, device)
         train = averages(hvd_utils.allreduce_sums(train_sums, name="train_sums"))
         epoch_seconds = time.perf_counter() - start
         val = averages(hvd_utils.allreduce_sums(evaluate(model, val_loader, device), name="val_sums"))

@@ -70,12 +70,14 @@ def main(argv=None):
 
     log.info("hvd-train: %d rank(s), %d per host, device %s, %d CPU thread(s) per rank, controller %s, "
              "tensor ops %s", rt.size, rt.local_size, rt.device, rt.threads, rt.controller, rt.tensor_ops)
-    log.info("data %s: %d train / %d val samples; model %s; batch %d per rank x %d ranks = %d global; "
-             "lr %g base x %d = %g", cfg.data.dataset, info.num_train, info.num_val, cfg.model.name,
-             cfg.optim.batch_size, rt.size, cfg.optim.batch_size * rt.size, cfg.optim.lr, rt.size, lr)
+    log.info("data %s: %d train / %d val samples; model %s", cfg.data.dataset, info.num_train, info.num_val,
+             cfg.model.name)
+    log.info("batch %d per rank x %d ranks = %d global; lr %g base x %d ranks = %g peak, %s schedule",
+             cfg.optim.batch_size, rt.size, cfg.optim.batch_size * rt.size, cfg.optim.lr, rt.size, lr,
+             cfg.optim.lr_schedule)
 
     result = engine.fit(model, optimizer, train_loader, val_loader, train_sampler, cfg.optim.epochs,
-                        rt.device, lr)
+                        rt.device, schedule=cfg.optim.lr_schedule)
 
     # Every rank must end with the same weights; a difference means gradients were not averaged.
     fingerprints = hvd_utils.fingerprints_by_rank(model)
@@ -86,7 +88,7 @@ def main(argv=None):
             "controller": rt.controller, "tensor_ops": rt.tensor_ops, "threads_per_rank": rt.threads,
             "dataset": cfg.data.dataset, "model": cfg.model.name, "epochs": cfg.optim.epochs,
             "batch_size_per_rank": cfg.optim.batch_size, "global_batch_size": cfg.optim.batch_size * rt.size,
-            "base_lr": cfg.optim.lr, "lr": lr,
+            "base_lr": cfg.optim.lr, "lr": lr, "lr_schedule": cfg.optim.lr_schedule,
             "best_val_acc1": result["best_val_acc1"], "final_val_acc1": result["final_val_acc1"],
             "final_val_loss": result["final_val_loss"], "train_samples_per_sec": result["train_samples_per_sec"],
             "params_in_sync": in_sync, "params_fingerprints": fingerprints,

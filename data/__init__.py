@@ -1,4 +1,4 @@
-"""Data sets, the train/validation split, and the per-rank loaders. Nothing here imports Horovod: ranks are arguments."""
+"""Data sets, the train/validation split and the per-rank loaders. No Horovod here: ranks are arguments."""
 from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, DistributedSampler, Subset

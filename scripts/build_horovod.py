@@ -188,7 +188,8 @@ def cache_dir():
 def build_key(info, gpu):
     py = f"cp{sys.version_info.major}{sys.version_info.minor}"
     flags = "nccl" if gpu else "cpu"
-    return f"horovod{HOROVOD_VERSION}-torch{info['torch']}-{py}-{sysconfig.get_platform()}-{flags}-p{patch_fingerprint()}"
+    platform = sysconfig.get_platform()
+    return f"horovod{HOROVOD_VERSION}-torch{info['torch']}-{py}-{platform}-{flags}-p{patch_fingerprint()}"
 
 
 def installed_key():

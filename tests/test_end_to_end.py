@@ -1,0 +1,62 @@
+"""train_hvd.py as users launch it: 2 ranks under horovodrun (Gloo and MPI) and mpirun, and one plain process."""
+import pytest
+
+from conftest import ROOT, launch, read_json
+
+pytestmark = pytest.mark.distributed
+TRAIN = ROOT / "train_hvd.py"
+
+
+@pytest.mark.parametrize("launcher,controller", [("horovodrun-gloo", "Gloo"), ("horovodrun-mpi", "MPI"),
+                                                 ("mpirun", "MPI")])
+def test_two_ranks_reach_the_accuracy_bar_on_the_digits(tmp_path, launcher, controller):
+    proc = launch(launcher, 2, TRAIN, "--output-dir", tmp_path)
+    summary = read_json(tmp_path / "summary.json")
+    assert summary["world_size"] == 2
+    assert summary["controller"] == controller
+    assert summary["epochs"] == 15 and len(summary["history"]) == 15
+    assert summary["global_batch_size"] == 2 * summary["batch_size_per_rank"]
+    assert summary["lr"] == pytest.approx(2 * summary["base_lr"])
+    assert summary["best_val_acc1"] >= 97.0
+    assert summary["final_val_acc1"] >= 97.0
+    assert summary["params_in_sync"] is True and len(summary["params_fingerprints"]) == 2
+    assert summary["train_samples_per_sec"] > 0 and summary["wall_seconds"] > 0
+    # Every validation sample is counted once per epoch, whatever the sharding.
+    assert {h["val_count"] for h in summary["history"]} == {359}
+    # Only rank 0 reports: one line per epoch in the whole job's output.
+    assert proc.stdout.count("epoch 15/15") == 1
+    assert read_json(tmp_path / "config.json")["run"]["output_dir"] == str(tmp_path)
+
+
+def test_a_plain_single_process_trains(tmp_path):
+    launch("single", 1, TRAIN, "--output-dir", tmp_path, "--epochs", "2")
+    summary = read_json(tmp_path / "summary.json")
+    assert summary["world_size"] == 1 and summary["epochs"] == 2
+    assert summary["lr"] == summary["base_lr"]
+    assert summary["best_val_acc1"] > 50.0
+
+
+def test_same_seed_gives_the_same_result_under_gloo_and_mpi(tmp_path):
+    results = []
+    for launcher in ("horovodrun-gloo", "mpirun"):
+        out = tmp_path / launcher
+        launch(launcher, 2, TRAIN, "--output-dir", out, "--epochs", "2")
+        results.append(read_json(out / "summary.json"))
+    assert results[0]["params_fingerprints"] == results[1]["params_fingerprints"]
+    assert [h["val_loss"] for h in results[0]["history"]] == [h["val_loss"] for h in results[1]["history"]]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--epochs", "0"], "optim.epochs (--epochs)=0"),
+    (["--batch-size", "-4"], "optim.batch_size (--batch-size)=-4"),
+    (["--lr", "0"], "optim.lr (--lr)=0"),
+    (["--model", "resnet9000"], "--model='resnet9000' is not known"),
+    (["--epochs", "three"], "invalid int value: 'three'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_bad_settings_stop_both_ranks_with_one_message(tmp_path, args, message):
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path, *args, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count(message) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "summary.json").exists()

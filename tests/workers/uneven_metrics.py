@@ -1,0 +1,44 @@
+"""Validation metrics over a set that does not divide by the number of ranks.
+
+    uneven_metrics.py OUT_DIR NUM_SAMPLES BATCH_SIZE
+
+The "model" is the identity and each sample's input is its logits, so the expected loss and accuracy are known
+exactly. Each rank writes OUT_DIR/rank<r>.json with the globally reduced metrics it computed.
+"""
+import json
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import engine
+import hvd_utils
+from data import build_loaders
+
+
+def fixed_samples(n):
+    """Logits that predict class i % 10 for sample i; the label is right for the first half of the samples."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(n, 10, generator=gen)
+    predicted = torch.arange(n) % 10
+    logits[torch.arange(n), predicted] += 10.0
+    labels = torch.where(torch.arange(n) < (n + 1) // 2, predicted, (predicted + 1) % 10)
+    return logits, labels
+
+
+def main(out_dir, n, batch):
+    rt = hvd_utils.init()
+    logits, labels = fixed_samples(n)
+    dataset = TensorDataset(logits, labels)
+    _, val_loader, _ = build_loaders(dataset, dataset, batch, rt.rank, rt.size, seed=0)
+    local = engine.evaluate(nn.Identity(), val_loader, torch.device("cpu"))
+    result = engine.averages(hvd_utils.allreduce_sums(local))
+    result["local_count"] = float(local["count"])
+    with open(f"{out_dir}/rank{rt.rank}.json", "w") as f:
+        json.dump(result, f)
+    hvd_utils.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
