@@ -1,19 +1,22 @@
 """The one typed configuration of a training run.
 
 Each section is a dataclass; every field has a default and a comment with its meaning and unit, and each section
-checks its own values in __post_init__ so a bad value stops the run before any process starts training.
-The command line is generated from these fields: `--section.field VALUE` sets any of them, and the flags people
-look for first (`--epochs`, `--batch-size`, `--lr`, ...) are short aliases listed in ALIASES.
+checks its own values in __post_init__, so a bad value stops the run before any process starts training.
+Values come from the defaults, then an optional YAML recipe (`--config configs/x.yaml`, sections as keys), then the
+command line: `--section.field VALUE` sets any field, and the flags people look for first (`--epochs`,
+`--batch-size`, `--amp`, ...) are short aliases listed in ALIASES.
 """
 import argparse
 import dataclasses
 import inspect
 import json
+import os
 import re
 from dataclasses import dataclass, field
 
-
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "step", "exponential")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+AMP_MODES = ("off", "bf16", "fp16")
 
 
 class ConfigError(ValueError):
@@ -25,48 +28,124 @@ def _require(ok, name, value, why):
         raise ConfigError(f"{name}={value!r}: {why}")
 
 
+def _choice(name, value, choices):
+    _require(value in choices, name, value, f"must be one of: {', '.join(choices)}")
+
+
 @dataclass
 class DataConfig:
-    dataset: str = "digits"     # data set name (see data.DATASETS)
-    val_fraction: float = 0.2   # share of the samples held out for validation, 0 < x < 1
-    split_seed: int = 0         # seed of the train/validation split; fixed so every rank and every run agree
+    dataset: str = "digits"     # digits, synthetic, mnist, cifar10, stl10 or imagefolder (see data.DATASETS)
+    data_dir: str = "datasets"  # where data sets are read from (and downloaded to with --download)
+    download: bool = False      # fetch a missing data set (local rank 0 of each host; the others wait)
+    image_size: int = 0         # side of the square images fed to the model, in pixels; 0: the data set's own
+    val_fraction: float = 0.2   # share held out for validation where the data set has no split of its own, 0 < x < 1
+    split_seed: int = 0         # seed of that split; fixed so every rank and every run agree
     workers: int = 0            # DataLoader worker processes per rank (0: load in the training process)
+    synthetic_samples: int = 1024  # synthetic: number of training samples (validation gets a quarter as many)
+    synthetic_channels: int = 3    # synthetic: image channels
+    synthetic_classes: int = 10    # synthetic: number of classes
 
     def __post_init__(self):
+        _require(bool(self.data_dir), "data.data_dir (--data-dir)", self.data_dir, "must name a directory")
+        _require(self.image_size >= 0, "data.image_size (--image-size)", self.image_size,
+                 "must be a size in pixels, or 0 for the data set's own")
         _require(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction,
                  "must be between 0 and 1 (exclusive), e.g. 0.2 for a 20% validation split")
-        _require(self.workers >= 0, "data.workers", self.workers, "must be 0 or more")
+        _require(self.workers >= 0, "data.workers (--workers)", self.workers, "must be 0 or more")
+        for name in ("synthetic_samples", "synthetic_channels", "synthetic_classes"):
+            _require(getattr(self, name) > 0, f"data.{name}", getattr(self, name), "must be positive")
 
 
 @dataclass
 class ModelConfig:
-    name: str = "small_cnn"     # model name (see models.MODELS)
+    name: str = "small_cnn"     # small_cnn, vae, or any torchvision classification model (resnet18, resnet50, ...)
 
 
 @dataclass
 class OptimConfig:
+    optimizer: str = "sgd"      # sgd, adam or adamw
     epochs: int = 15            # passes over the training set
-    batch_size: int = 32        # samples per rank per step; the global batch is this times the number of ranks
-    lr: float = 0.025           # base learning rate for one rank; multiplied by the number of ranks (linear scaling)
-    lr_schedule: str = "cosine"  # per-step decay of the scaled rate: cosine (to 0 at the end) or constant
+    batch_size: int = 32        # samples per rank per backward pass; global batch: x ranks x batches_per_allreduce
+    lr: float = 0.025           # base learning rate for one rank and one batch; scaled by ranks x batches_per_allreduce
+    lr_schedule: str = "cosine"  # per-step decay after warmup: cosine (to 0), step, exponential or constant
+    warmup_epochs: float = 0.0  # epochs of linear warmup from lr/scale to the scaled lr (Goyal et al. 2017)
+    lr_milestones: tuple = (30, 60, 80)  # step schedule: epochs at which the learning rate is multiplied by lr_gamma
+    lr_gamma: float = 0.1       # step: factor at each milestone; exponential: factor per epoch
     momentum: float = 0.9       # SGD momentum
-    weight_decay: float = 0.0   # L2 penalty added by SGD
+    nesterov: bool = False      # SGD Nesterov momentum
+    weight_decay: float = 0.0   # L2 penalty (decoupled for adamw)
+    decay_norm_and_bias: bool = False  # also apply weight decay to biases and normalization layers
+    clip_grad: float = 0.0      # clip the global gradient norm to this after averaging; 0: off
+    amp: str = "off"            # mixed precision: off, bf16 (CPU and GPU) or fp16 (GPU, with a gradient scaler)
 
     def __post_init__(self):
+        self.lr_milestones = tuple(self.lr_milestones)
+        _choice("optim.optimizer (--optimizer)", self.optimizer, OPTIMIZERS)
         _require(self.epochs > 0, "optim.epochs (--epochs)", self.epochs, "must be a positive number of epochs")
         _require(self.batch_size > 0, "optim.batch_size (--batch-size)", self.batch_size,
                  "must be a positive number of samples per rank")
         _require(self.lr > 0, "optim.lr (--lr)", self.lr, "must be a positive learning rate, e.g. 0.025")
-        _require(self.lr_schedule in LR_SCHEDULES, "optim.lr_schedule (--lr-schedule)", self.lr_schedule,
-                 f"must be one of: {', '.join(LR_SCHEDULES)}")
+        _choice("optim.lr_schedule (--lr-schedule)", self.lr_schedule, LR_SCHEDULES)
+        _require(self.warmup_epochs >= 0, "optim.warmup_epochs (--warmup-epochs)", self.warmup_epochs,
+                 "must be 0 or more epochs")
+        _require(all(isinstance(m, int) and m > 0 for m in self.lr_milestones) and
+                 list(self.lr_milestones) == sorted(self.lr_milestones), "optim.lr_milestones", self.lr_milestones,
+                 "must be increasing positive epochs, e.g. 30,60,80")
+        _require(0.0 < self.lr_gamma <= 1.0, "optim.lr_gamma", self.lr_gamma, "must be in (0, 1]")
         _require(0.0 <= self.momentum < 1.0, "optim.momentum", self.momentum, "must be in [0, 1)")
+        _require(not self.nesterov or self.momentum > 0, "optim.nesterov", self.nesterov,
+                 "needs optim.momentum > 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be 0 or more")
+        _require(self.clip_grad >= 0, "optim.clip_grad (--clip-grad)", self.clip_grad,
+                 "must be a gradient norm > 0, or 0 for no clipping")
+        _choice("optim.amp (--amp)", self.amp, AMP_MODES)
+
+
+@dataclass
+class HorovodConfig:
+    batches_per_allreduce: int = 1  # backward passes summed locally before one allreduce (gradient accumulation)
+    fp16_allreduce: bool = False    # compress gradients to fp16 for the allreduce (half the bytes on the wire)
+    use_adasum: bool = False        # combine gradients with Adasum instead of averaging them
+    gradient_predivide_factor: float = 1.0  # divide gradients by this before the allreduce, the rest after
+    sync_bn: bool = False           # batch-norm statistics computed over all ranks (hvd.SyncBatchNorm)
+
+    def __post_init__(self):
+        _require(self.batches_per_allreduce >= 1, "horovod.batches_per_allreduce (--batches-per-allreduce)",
+                 self.batches_per_allreduce, "must be 1 or more")
+        _require(self.gradient_predivide_factor > 0, "horovod.gradient_predivide_factor",
+                 self.gradient_predivide_factor, "must be positive")
+        _require(not (self.use_adasum and self.gradient_predivide_factor != 1.0), "horovod.use_adasum",
+                 self.use_adasum, "cannot be combined with gradient_predivide_factor != 1")
+
+
+@dataclass
+class CheckpointConfig:
+    resume: str = ""            # checkpoint to resume from: a path, or auto for the newest in <output dir>/checkpoints
+    keep_last: int = 3          # how many of the newest per-epoch checkpoints to keep (last.pt and best.pt are extra)
+    every_epochs: int = 1       # write a checkpoint every this many epochs (and after the last)
+
+    def __post_init__(self):
+        _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "must be 0 or more")
+        _require(self.every_epochs >= 1, "checkpoint.every_epochs", self.every_epochs, "must be 1 or more")
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True       # rank 0 shows a progress bar per epoch (tqdm)
+    log_every: int = 20         # steps between progress updates and the all-rank non-finite loss check
+    tensorboard: bool = True    # write TensorBoard events to <output dir>/tensorboard
+    plot: bool = True           # draw the loss and accuracy curves to <output dir>/curves.png at the end
+
+    def __post_init__(self):
+        _require(self.log_every >= 1, "logging.log_every", self.log_every, "must be 1 or more steps")
 
 
 @dataclass
 class RunConfig:
-    output_dir: str = "runs/latest"  # where rank 0 writes summary.json and the resolved config
+    output_dir: str = "runs/latest"  # where rank 0 writes summary, metrics, checkpoints and the resolved config
     seed: int = 42                   # base random seed; rank r seeds with seed + r, parameters come from rank 0
+    evaluate: bool = False           # only evaluate the checkpoint given by --resume, then stop
+    name: str = ""                   # name of this configuration in the summary (default: the recipe's file name)
 
     def __post_init__(self):
         _require(bool(self.output_dir), "run.output_dir (--output-dir)", self.output_dir, "must name a directory")
@@ -77,7 +156,14 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    horovod: HorovodConfig = field(default_factory=HorovodConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        _require(not self.run.evaluate or bool(self.checkpoint.resume), "run.evaluate (--evaluate)",
+                 self.run.evaluate, "needs a checkpoint: add --resume PATH or --resume auto")
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -90,15 +176,29 @@ class Config:
 ALIASES = {
     "output-dir": "run.output_dir",
     "seed": "run.seed",
+    "evaluate": "run.evaluate",
+    "model": "model.name",
+    "dataset": "data.dataset",
+    "data-dir": "data.data_dir",
+    "download": "data.download",
+    "image-size": "data.image_size",
+    "workers": "data.workers",
+    "optimizer": "optim.optimizer",
     "epochs": "optim.epochs",
     "batch-size": "optim.batch_size",
     "lr": "optim.lr",
     "lr-schedule": "optim.lr_schedule",
+    "warmup-epochs": "optim.warmup_epochs",
     "momentum": "optim.momentum",
-    "dataset": "data.dataset",
-    "workers": "data.workers",
-    "model": "model.name",
+    "clip-grad": "optim.clip_grad",
+    "amp": "optim.amp",
+    "batches-per-allreduce": "horovod.batches_per_allreduce",
+    "fp16-allreduce": "horovod.fp16_allreduce",
+    "use-adasum": "horovod.use_adasum",
+    "sync-bn": "horovod.sync_bn",
+    "resume": "checkpoint.resume",
 }
+CHOICES = {"optim.optimizer": OPTIMIZERS, "optim.lr_schedule": LR_SCHEDULES, "optim.amp": AMP_MODES}
 
 
 def _fields():
@@ -119,12 +219,22 @@ def _field_comments(cls):
 
 
 def _parse_bool(text):
-    lowered = text.lower()
+    lowered = str(text).lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
     if lowered in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _parse_int_tuple(text):
+    try:
+        return tuple(int(part) for part in str(text).split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers such as 30,60,80, got {text!r}")
+
+
+_PARSERS = {bool: _parse_bool, tuple: _parse_int_tuple, int: int, float: float, str: str}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -136,7 +246,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser():
     parser = _Parser(
         prog="train_hvd.py",
-        description="Data-parallel training with Horovod. Launch with horovodrun or mpirun; runs alone too.")
+        description="Data-parallel training with Horovod. Launch with horovodrun or mpirun; runs alone too. "
+                    "Settings: defaults < --config YAML < these flags.")
+    parser.add_argument("--config", metavar="YAML", help="recipe with one mapping per section (see configs/)")
     alias_of = {dest: flag for flag, dest in ALIASES.items()}
     groups, comments = {}, {}
     for section, cls, f in _fields():
@@ -147,21 +259,77 @@ def build_parser():
         flags = [f"--{dest}"]
         if dest in alias_of:
             flags.insert(0, f"--{alias_of[dest]}")
+        extra = {"nargs": "?", "const": True} if f.type is bool else {}  # `--download` alone means true
+        metavar = f.type.__name__.upper()
+        if dest in CHOICES:
+            extra["choices"] = CHOICES[dest]
+            metavar = "{" + ",".join(CHOICES[dest]) + "}"
+        default = ",".join(map(str, f.default)) if f.type is tuple else f.default
         groups[section].add_argument(
-            *flags, dest=dest, type=_parse_bool if f.type is bool else f.type, default=argparse.SUPPRESS,
-            metavar=f.type.__name__.upper(), help=f"{comments[section].get(f.name, '')} (default: {f.default!r})")
+            *flags, dest=dest, type=_PARSERS[f.type], default=argparse.SUPPRESS, metavar=metavar,
+            help=f"{comments[section].get(f.name, '')} (default: {default!r})", **extra)
     return parser
 
 
+def _check_yaml_value(where, f, value):
+    """YAML gives typed values: accept the field's type (ints for floats, lists for tuples), refuse the rest."""
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        tuple: isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                        for v in value),
+    }[f.type]
+    if not ok:
+        raise ConfigError(f"{where}: expected {f.type.__name__}{' of whole numbers' if f.type is tuple else ''}, "
+                          f"got {type(value).__name__} {value!r}")
+    return float(value) if f.type is float else value
+
+
+def load_recipe(path):
+    """Read a YAML recipe into {section: {field: value}}, refusing unknown sections, unknown keys and wrong types."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file (recipes live in configs/)")
+    try:
+        with open(path) as fh:
+            raw = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML: {e}")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(raw).__name__}")
+    sections = {s.name: s.type for s in dataclasses.fields(Config)}
+    recipe = {}
+    for section, values in raw.items():
+        if section not in sections:
+            raise ConfigError(f"--config {path}: unknown section {section!r}; sections are: {', '.join(sections)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"--config {path}: section {section!r} must be a mapping of field: value")
+        known = {f.name: f for f in dataclasses.fields(sections[section])}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"--config {path}: unknown key {section}.{key}; {section} has: {', '.join(known)}")
+            recipe.setdefault(section, {})[key] = _check_yaml_value(f"--config {path}: {section}.{key}",
+                                                                    known[key], value)
+    return recipe
+
+
 def parse_config(argv=None):
-    """Defaults, then command-line values; raises ConfigError (with the field named) on an invalid value."""
+    """Defaults < YAML recipe < command line; raises ConfigError (with the field named) on an invalid value."""
     args = vars(build_parser().parse_args(argv))
-    sections = {}
-    for section, cls, f in _fields():
+    values = load_recipe(args["config"]) if args.get("config") else {}
+    for section, _, f in _fields():
         key = f"{section}.{f.name}"
         if key in args:
-            sections.setdefault(section, {})[f.name] = args[key]
-    built = {}
-    for section in dataclasses.fields(Config):
-        built[section.name] = section.type(**sections.get(section.name, {}))
+            values.setdefault(section, {})[f.name] = args[key]
+    if args.get("config") and "name" not in values.get("run", {}):
+        values.setdefault("run", {})["name"] = os.path.splitext(os.path.basename(args["config"]))[0]
+    built = {s.name: s.type(**values.get(s.name, {})) for s in dataclasses.fields(Config)}
     return Config(**built)
+
+
+def config_from_dict(values):
+    """Rebuild a Config from to_dict() output (as stored in checkpoints)."""
+    return Config(**{s.name: s.type(**values.get(s.name, {})) for s in dataclasses.fields(Config)})

@@ -1,134 +1,239 @@
 """The training and evaluation loops.
 
-Each function takes what it uses as arguments and returns plain dicts. Per-step work stays on the device: losses
+Each function takes what it uses as arguments and returns plain dicts. Per-step work stays on the device: loss terms
 and counts are summed into tensors and read back once per epoch, when they are reduced across ranks in one
-allreduce (hvd_utils.allreduce_sums). Only `fit` talks to other ranks, and every rank runs the same collectives.
+allreduce. The only other host syncs are every `log_every` steps, for the progress bar and the all-rank check for
+a non-finite loss. Every rank runs the same collectives in the same order.
 """
+import contextlib
 import logging
 import math
 import time
 
 import torch
-import torch.nn.functional as F
+from tqdm import tqdm
 
 import hvd_utils
 from config import LR_SCHEDULES
+from tasks import averages
 
 log = logging.getLogger("hvd_train")
 
 
-def train_step(model, optimizer, images, labels):
-    """One optimizer step on one batch; returns the batch's mean loss and its logits, both detached."""
-    optimizer.zero_grad()  # Horovod's wrapper takes no arguments; torch's default sets grads to None
-    logits = model(images)
-    loss = F.cross_entropy(logits, labels)
-    loss.backward()  # Horovod: DistributedOptimizer starts the allreduce of each gradient as it is produced.
-    optimizer.step()  # Horovod: waits for the averaged gradients, then applies them.
-    return loss.detach(), logits.detach()
+class NonFiniteLossError(RuntimeError):
+    """A loss was NaN or infinite on at least one rank; raised on every rank at the same step."""
 
 
-def lr_factor(step, total_steps, schedule):
-    """Multiplier of the peak learning rate at optimizer step `step` (0-based) of `total_steps`."""
+# --------------------------------------------------------------------------------------------------------------------
+# Optimizer and learning rate
+
+
+def param_groups(model, weight_decay, decay_norm_and_bias=False):
+    """Two groups: weights with weight decay; biases and normalization parameters (all 1-d tensors) without,
+    since shrinking them toward zero only hurts (the usual practice since Goyal et al. 2017)."""
+    if decay_norm_and_bias or weight_decay == 0:
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim <= 1 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model, optim_cfg, lr):
+    """SGD (momentum, optionally Nesterov), Adam or AdamW at learning rate `lr` (already scaled)."""
+    groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.decay_norm_and_bias)
+    if optim_cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=optim_cfg.momentum, nesterov=optim_cfg.nesterov)
+    if optim_cfg.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=lr)
+    if optim_cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr)
+    raise ValueError(f"unknown optimizer {optim_cfg.optimizer!r}")
+
+
+def lr_factor(step, steps_per_epoch, total_steps, schedule, warmup_epochs=0.0, warmup_start=1.0,
+              milestones=(), gamma=0.1):
+    """Multiplier of the scaled learning rate at optimizer step `step` (0-based).
+
+    Warmup (Goyal et al. 2017) climbs linearly from `warmup_start` (1 / scale: the unscaled rate) to 1 over
+    `warmup_epochs`; then `schedule` decays per step: cosine to 0 at the end, step by `gamma` at each epoch in
+    `milestones`, exponential by `gamma` per epoch, or constant.
+    """
+    epoch = step / steps_per_epoch
+    warmup_steps = warmup_epochs * steps_per_epoch
+    if step < warmup_steps:
+        return warmup_start + (1.0 - warmup_start) * step / warmup_steps
     if schedule == "constant":
         return 1.0
     if schedule == "cosine":
-        # Half a cosine from 1 to 0 over the run: large steps early, small ones that settle the weights at the end.
-        return 0.5 * (1.0 + math.cos(math.pi * min(step, total_steps) / max(1, total_steps)))
+        progress = (step - warmup_steps) / max(1.0, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    if schedule == "step":
+        return gamma ** sum(1 for m in milestones if epoch >= m)
+    if schedule == "exponential":
+        return gamma ** epoch
     raise ValueError(f"unknown learning-rate schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
 
 
-def make_scheduler(optimizer, schedule, total_steps):
-    """A per-step schedule: call .step() after every optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, schedule))
+def make_scheduler(optimizer, optim_cfg, steps_per_epoch, lr_scale):
+    """A per-step LambdaLR following optim_cfg's schedule and warmup; call .step() after every optimizer step."""
+    total = optim_cfg.epochs * steps_per_epoch
+
+    def factor(step):
+        return lr_factor(step, steps_per_epoch, total, optim_cfg.lr_schedule, optim_cfg.warmup_epochs,
+                         1.0 / lr_scale, optim_cfg.lr_milestones, optim_cfg.lr_gamma)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _accumulate(sums, loss, logits, labels):
+# --------------------------------------------------------------------------------------------------------------------
+# Steps and epochs
+
+
+def autocast(device, amp):
+    """Mixed precision for the forward pass: bf16 (CPU and GPU) or fp16 (GPU); off gives a no-op context."""
+    if amp == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
+def train_step(model, task, optimizer, images, labels, *, accumulate=1, amp="off", scaler=None, clip_grad=0.0):
+    """One optimizer step on one batch, split into `accumulate` backward passes; returns the batch's metric sums.
+
+    Horovod's DistributedOptimizer allreduces each gradient after `accumulate` backward passes. The step then
+    goes synchronize -> unscale/clip -> step without a second synchronize, so the scaler and the clipping see
+    the averaged gradients, not this rank's.
+    """
+    optimizer.zero_grad()  # Horovod's wrapper takes no arguments; torch's default sets the gradients to None
+    sums = {}
     n = labels.shape[0]
-    sums["loss_sum"] += loss * n
-    sums["correct1"] += (logits.argmax(dim=1) == labels).sum()
-    k = min(5, logits.shape[1])
-    sums["correct5"] += (logits.topk(k, dim=1).indices == labels.unsqueeze(1)).any(dim=1).sum()
-    sums["count"] += n
+    for chunk_images, chunk_labels in zip(images.chunk(accumulate), labels.chunk(accumulate)):
+        with autocast(images.device, amp):
+            loss, outputs = task.losses(model, chunk_images, chunk_labels)
+        # Weight each chunk by its share of the batch: the gradient is the batch mean, however it was split.
+        weighted = loss * (chunk_labels.shape[0] / n)
+        (scaler.scale(weighted) if scaler is not None else weighted).backward()
+        for key, value in task.sums(loss, outputs, chunk_labels).items():
+            sums[key] = sums.get(key, 0) + value
 
+    def before_step():
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
 
-def _zero_sums(device):
-    keys = ("loss_sum", "correct1", "correct5", "count")
-    return {k: torch.zeros((), dtype=torch.float64, device=device) for k in keys}
-
-
-def train_one_epoch(model, loader, optimizer, scheduler, device):
-    """Train on this rank's shard; returns this rank's sums (loss_sum, correct1, correct5, count) as tensors."""
-    model.train()
-    sums = _zero_sums(device)
-    for images, labels in loader:
-        images = images.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        loss, logits = train_step(model, optimizer, images, labels)
-        scheduler.step()
-        _accumulate(sums, loss, logits, labels)
+    hvd_utils.apply_gradients(optimizer, (lambda: scaler.step(optimizer)) if scaler is not None else optimizer.step,
+                              before_step)
+    if scaler is not None:
+        scaler.update()
     return sums
+
+
+def _add(total, sums, device):
+    for key, value in sums.items():
+        value = torch.as_tensor(value, device=device, dtype=torch.float64)
+        total[key] = total[key] + value if key in total else value
+
+
+def train_one_epoch(model, task, loader, optimizer, scheduler, device, *, epoch=1, epochs=1, accumulate=1,
+                    amp="off", scaler=None, clip_grad=0.0, log_every=20, show_progress=False):
+    """Train on this rank's shard for one epoch; returns this rank's metric sums as float64 tensors.
+
+    Raises NonFiniteLossError on every rank when any rank saw a NaN or infinite loss (checked every log_every
+    steps and at the end, with one tiny allreduce).
+    """
+    model.train()
+    total, bad = {}, torch.zeros((), device=device)
+    bar = tqdm(total=len(loader), desc=f"epoch {epoch}/{epochs}", unit="step", disable=not show_progress,
+               dynamic_ncols=True, leave=False)
+    start = time.perf_counter()
+    for step, (images, labels) in enumerate(loader, 1):
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        sums = train_step(model, task, optimizer, images, labels, accumulate=accumulate, amp=amp, scaler=scaler,
+                          clip_grad=clip_grad)
+        scheduler.step()
+        bad += ~torch.isfinite(sums["loss_sum"])
+        _add(total, sums, device)
+        bar.update(1)
+        if step % log_every == 0 or step == len(loader):
+            # The one host sync every log_every steps: all ranks learn whether any loss went non-finite.
+            if hvd_utils.sum_across_ranks(bad, name="nonfinite") > 0:
+                bar.close()
+                raise NonFiniteLossError(f"the loss became NaN or infinite at epoch {epoch}, step {step} on at "
+                                         f"least one rank; lower --lr, use --clip-grad, or check the data")
+            seen = float(total["count"])
+            bar.set_postfix(loss=f"{float(total['loss_sum']) / max(1.0, seen):.4f}",
+                            lr=f"{optimizer.param_groups[0]['lr']:.3g}",
+                            samples_s=f"{seen / (time.perf_counter() - start):.0f}")
+    bar.close()
+    return total
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):
-    """Evaluate on this rank's shard; returns this rank's sums (loss_sum, correct1, correct5, count)."""
+def evaluate(model, task, loader, device, amp="off"):
+    """Evaluate on this rank's shard; returns this rank's metric sums."""
     model.eval()
-    sums = _zero_sums(device)
+    total = {}
     for images, labels in loader:
-        images = images.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        logits = model(images)
-        loss = F.cross_entropy(logits, labels)
-        _accumulate(sums, loss, logits, labels)
-    return sums
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with autocast(device, amp):
+            loss, outputs = task.losses(model, images, labels)
+        _add(total, task.sums(loss, outputs, labels), device)
+    return total
 
 
-def averages(totals):
-    """Global sums -> mean loss and accuracies in percent. A rank that saw nothing still contributes its zeros."""
-    count = totals["count"]
-    if count == 0:
-        return {"loss": float("nan"), "acc1": 0.0, "acc5": 0.0, "count": 0}
-    return {
-        "loss": totals["loss_sum"] / count,
-        "acc1": 100.0 * totals["correct1"] / count,
-        "acc5": 100.0 * totals["correct5"] / count,
-        "count": int(count),
-    }
+def evaluate_all(model, task, loader, device, amp="off"):
+    """Evaluate across all ranks: exact global metrics (one allreduce; a rank with no samples adds zeros)."""
+    return averages(reduce_sums(task, evaluate(model, task, loader, device, amp), name="val_sums"))
 
 
-def fit(model, optimizer, train_loader, val_loader, train_sampler, epochs, device, schedule="constant"):
-    """Train for `epochs`, validating after each; returns the per-epoch history and the run's headline figures.
+def reduce_sums(task, local, name):
+    """Sum a task's metric sums over all ranks; every key is sent even where this rank has none."""
+    zero = torch.zeros((), dtype=torch.float64)
+    return hvd_utils.allreduce_sums({k: local.get(k, zero) for k in task.keys}, name=name)
 
-    The learning rate follows `schedule` per step from the optimizer's own (already scaled) rate.
+
+def fit(model, task, optimizer, scheduler, train_loader, val_loader, train_sampler, device, *, epochs,
+        start_epoch=1, accumulate=1, amp="off", scaler=None, clip_grad=0.0, log_every=20, show_progress=False,
+        on_epoch_end=None):
+    """Train epochs start_epoch..epochs, validating after each; returns the per-epoch history.
+
+    on_epoch_end(epoch, record) runs on every rank after each epoch (checkpoints, reports).
     """
-    scheduler = make_scheduler(optimizer, schedule, epochs * len(train_loader))
-    history, best_acc1, train_seconds, train_samples = [], 0.0, 0.0, 0
-    for epoch in range(1, epochs + 1):
+    history = []
+    for epoch in range(start_epoch, epochs + 1):
         # Horovod: a new shuffle every epoch, the same on every rank, so the shards stay disjoint.
         train_sampler.set_epoch(epoch)
         lr = optimizer.param_groups[0]["lr"]  # at the start of the epoch
         start = time.perf_counter()
-        train_sums = train_one_epoch(model, train_loader, optimizer, scheduler, device)
-        train = averages(hvd_utils.allreduce_sums(train_sums, name="train_sums"))
+        train_sums = train_one_epoch(model, task, train_loader, optimizer, scheduler, device, epoch=epoch,
+                                     epochs=epochs, accumulate=accumulate, amp=amp, scaler=scaler,
+                                     clip_grad=clip_grad, log_every=log_every, show_progress=show_progress)
+        train = averages(reduce_sums(task, train_sums, name="train_sums"))
         epoch_seconds = time.perf_counter() - start
-        val = averages(hvd_utils.allreduce_sums(evaluate(model, val_loader, device), name="val_sums"))
-
-        train_seconds += epoch_seconds
-        train_samples += train["count"]
-        best_acc1 = max(best_acc1, val["acc1"])
-        record = {
-            "epoch": epoch, "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
-            "val_acc1": val["acc1"], "val_acc5": val["acc5"], "val_count": val["count"], "lr": lr,
-            "samples_per_sec": train["count"] / epoch_seconds, "epoch_seconds": epoch_seconds,
-        }
+        hvd_utils.average_buffers(model)  # BatchNorm statistics agree before validation and checkpoints
+        val = evaluate_all(model, task, val_loader, device, amp)
+        record = {"epoch": epoch, "lr": lr, "epoch_seconds": epoch_seconds,
+                  "samples_per_sec": train["count"] / epoch_seconds}
+        record.update({f"train_{k}": v for k, v in train.items()})
+        record.update({f"val_{k}": v for k, v in val.items()})
         history.append(record)
-        log.info("epoch %d/%d  train loss %.4f acc %.2f%%  val loss %.4f top-1 %.2f%% top-5 %.2f%%  "
-                 "lr %.4g  %.0f samples/s  %.2fs", epoch, epochs, train["loss"], train["acc1"], val["loss"],
-                 val["acc1"], val["acc5"], lr, record["samples_per_sec"], epoch_seconds)
-    return {
-        "history": history,
-        "best_val_acc1": best_acc1,
-        "final_val_acc1": history[-1]["val_acc1"],
-        "final_val_loss": history[-1]["val_loss"],
-        "train_samples_per_sec": train_samples / train_seconds if train_seconds > 0 else 0.0,
-    }
+        log.info(format_record(record, epochs))
+        if on_epoch_end is not None:
+            on_epoch_end(epoch, record)
+    return history
+
+
+def format_record(record, epochs):
+    """One line per epoch: train and validation terms, top-1/top-5 where there are any, rate and time."""
+    def term(name, value):
+        return f"top-{name[3:]} {value:.2f}%" if name.startswith("acc") else f"{name} {value:.4f}"
+
+    def terms(prefix):
+        names = sorted((k[len(prefix):] for k in record if k.startswith(prefix) and not k.endswith("count")),
+                       key=lambda name: (name.startswith("acc"), name != "loss", name))  # loss first, then terms
+        return " ".join(term(name, record[prefix + name]) for name in names)
+
+    return (f"epoch {record['epoch']}/{epochs}  train {terms('train_')}  val {terms('val_')}  "
+            f"lr {record['lr']:.4g}  {record['samples_per_sec']:.0f} samples/s  {record['epoch_seconds']:.2f}s")

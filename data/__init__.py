@@ -1,16 +1,27 @@
 """Data sets, the train/validation split and the per-rank loaders. No Horovod here: ranks are arguments."""
+import multiprocessing
 from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from data import cifar10, imagefolder, mnist, stl10
 from data.digits import load_digits_dataset
+from data.errors import DataError
 from data.samplers import ShardSampler
 from data.split import split_indices
+from data.synthetic import SyntheticDataset
 
-# name -> (loader of the full data set, in_channels, num_classes, image_size)
+# name -> (channels, classes, native image size, download function or None); None where the config decides
 DATASETS = {
-    "digits": (load_digits_dataset, 1, 10, 8),
+    "digits": (1, 10, 8, None),
+    "synthetic": (None, None, 224, None),
+    "mnist": (1, 10, 28, mnist.download),
+    "cifar10": (3, 10, 32, cifar10.download),
+    "stl10": (3, 10, 96, stl10.download),
+    "imagefolder": (3, None, 224, None),
 }
+
+__all__ = ["DATASETS", "DataError", "DataInfo", "build_datasets", "build_loaders", "download_fn"]
 
 
 @dataclass
@@ -22,15 +33,49 @@ class DataInfo:
     num_val: int
 
 
-def build_datasets(name, val_fraction, split_seed):
-    """The train and validation subsets of data set `name`, split the same way on every rank."""
-    if name not in DATASETS:
-        raise ValueError(f"unknown data set {name!r}; choose one of: {', '.join(sorted(DATASETS))} (--dataset)")
-    load, in_channels, num_classes, image_size = DATASETS[name]
-    full = load()
-    train_idx, val_idx = split_indices(len(full), val_fraction, split_seed)
-    info = DataInfo(in_channels, num_classes, image_size, len(train_idx), len(val_idx))
-    return Subset(full, train_idx), Subset(full, val_idx), info
+def download_fn(name):
+    """The function that fetches data set `name` into a directory, or None where nothing is downloaded."""
+    return DATASETS[name][3]
+
+
+def build_datasets(dc):
+    """The train and validation sets described by a DataConfig, split the same way on every rank."""
+    if dc.dataset not in DATASETS:
+        raise DataError(f"unknown data set {dc.dataset!r}; choose one of: {', '.join(sorted(DATASETS))} (--dataset)")
+    channels, classes, native, _ = DATASETS[dc.dataset]
+    size = dc.image_size or native
+    presplit = True
+    if dc.dataset == "digits":
+        train = val = load_digits_dataset(dc.image_size)
+        presplit = False
+    elif dc.dataset == "synthetic":
+        channels, classes = dc.synthetic_channels, dc.synthetic_classes
+        train = SyntheticDataset(dc.synthetic_samples, channels, size, classes, seed=0)
+        val = SyntheticDataset(max(1, dc.synthetic_samples // 4), channels, size, classes, seed=1)
+    elif dc.dataset == "mnist":
+        train, val = mnist.load(dc.data_dir, dc.image_size)
+    elif dc.dataset == "cifar10":
+        train, val = cifar10.load(dc.data_dir, dc.image_size)
+    elif dc.dataset == "stl10":
+        train, val = stl10.load(dc.data_dir, dc.image_size)
+    else:
+        train, val, presplit = imagefolder.load(dc.data_dir, size)
+        classes = len(train.classes)
+    if not presplit:
+        train_idx, val_idx = split_indices(len(train), dc.val_fraction, dc.split_seed)
+        train, val = Subset(train, train_idx), Subset(val, val_idx)
+    if len(train) == 0 or len(val) == 0:
+        raise DataError(f"data set {dc.dataset!r} in {dc.data_dir} has {len(train)} training and {len(val)} "
+                        f"validation samples; both must be non-empty")
+    return train, val, DataInfo(channels, classes, size, len(train), len(val))
+
+
+def _worker_context(workers):
+    # forkserver: worker processes do not inherit the parent's threads and network state by fork, which some
+    # InfiniBand and MPI stacks do not survive. Falls back to the platform default where it is missing.
+    if workers == 0:
+        return None
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
 
 
 def build_loaders(train_set, val_set, batch_size, rank, world_size, seed, workers=0, pin_memory=False):
@@ -39,7 +84,7 @@ def build_loaders(train_set, val_set, batch_size, rank, world_size, seed, worker
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     val_sampler = ShardSampler(len(val_set), rank, world_size)
     common = dict(batch_size=batch_size, num_workers=workers, pin_memory=pin_memory,
-                  persistent_workers=workers > 0)
+                  persistent_workers=workers > 0, multiprocessing_context=_worker_context(workers))
     train_loader = DataLoader(train_set, sampler=train_sampler, **common)
     val_loader = DataLoader(val_set, sampler=val_sampler, **common)
     return train_loader, val_loader, train_sampler

@@ -2,9 +2,14 @@
 
 Each function also works in a single process (hvd.size() == 1), so a plain `python train_hvd.py` trains.
 """
-from hvd_utils.metrics import allreduce_sums, fingerprints_by_rank, params_fingerprint
-from hvd_utils.optim import broadcast_state, distributed_optimizer, scaled_lr
-from hvd_utils.runtime import Runtime, init, launcher_rank, shutdown
+from hvd_utils.metrics import (allreduce_sums, fingerprints_by_rank, gather_object, params_fingerprint,
+                               sum_across_ranks)
+from hvd_utils.optim import (apply_gradients, average_buffers, broadcast_object, broadcast_state,
+                             distributed_optimizer, scaled_lr, sync_batch_norm)
+from hvd_utils.resume import gather_rng_states, load_weights, restore
+from hvd_utils.runtime import Runtime, init, launcher_rank, run_on_local_root, shutdown
 
-__all__ = ["Runtime", "init", "launcher_rank", "shutdown", "scaled_lr", "distributed_optimizer", "broadcast_state",
-           "allreduce_sums", "params_fingerprint", "fingerprints_by_rank"]
+__all__ = ["Runtime", "init", "launcher_rank", "run_on_local_root", "shutdown", "scaled_lr",
+           "distributed_optimizer", "apply_gradients", "average_buffers", "broadcast_state", "broadcast_object",
+           "sync_batch_norm", "restore", "load_weights", "gather_rng_states", "allreduce_sums", "sum_across_ranks",
+           "gather_object", "params_fingerprint", "fingerprints_by_rank"]

@@ -31,3 +31,14 @@ def fingerprints_by_rank(model):
     """The parameter fingerprint of every rank, gathered on all of them (rank order)."""
     mine = torch.tensor([params_fingerprint(model)], dtype=torch.int64)
     return hvd.allgather(mine, name="params_fingerprint").tolist()
+
+
+def sum_across_ranks(value, name):
+    """A scalar summed over all ranks, as a Python number (one small allreduce and a host sync)."""
+    tensor = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(1)
+    return hvd.allreduce(tensor, op=hvd.Sum, name=name).item()
+
+
+def gather_object(obj, name=None):
+    """Every rank's `obj`, in rank order, on every rank."""
+    return hvd.allgather_object(obj, name=name)

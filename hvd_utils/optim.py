@@ -1,18 +1,77 @@
-"""Wrapping the optimizer and making every rank start from rank 0's state."""
+"""Wrapping the optimizer, the synchronize-then-step pattern, and making every rank start from rank 0's state."""
 import horovod.torch as hvd
+import torch
 
 
-def scaled_lr(base_lr, world_size):
-    """Linear scaling rule (Goyal et al. 2017): the global batch grows with the ranks, so does the step size."""
-    return base_lr * world_size
+def scaled_lr(base_lr, world_size, batches_per_allreduce=1):
+    """Linear scaling rule (Goyal et al. 2017): the learning rate grows with the global batch."""
+    return base_lr * world_size * batches_per_allreduce
 
 
-def distributed_optimizer(optimizer, model):
-    """Horovod: average gradients across ranks with ring-allreduce during backward()."""
-    return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allreduce=False, use_adasum=False,
+                          gradient_predivide_factor=1.0):
+    """Horovod: average gradients across ranks with ring-allreduce during backward().
+
+    The wrapper is a new optimizer over the same parameters; state loaded into the old one is not carried over,
+    so load checkpoints into the returned optimizer.
+    """
+    return hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none,
+        backward_passes_per_step=batches_per_allreduce,
+        op=hvd.Adasum if use_adasum else hvd.Average,
+        gradient_predivide_factor=gradient_predivide_factor)
+
+
+def apply_gradients(optimizer, step, before_step=None):
+    """Horovod: wait for the averaged gradients, let before_step() see them (unscale, clip), then step() without
+    a second allreduce. Works for a plain torch optimizer too (one process, or before wrapping)."""
+    if not hasattr(optimizer, "synchronize"):
+        if before_step is not None:
+            before_step()
+        return step()
+    optimizer.synchronize()
+    if before_step is not None:
+        before_step()
+    with optimizer.skip_synchronize():
+        return step()
 
 
 def broadcast_state(model, optimizer, root_rank=0):
-    """Horovod: copy parameters, buffers and optimizer state from root_rank, so all ranks start identical."""
-    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+    """Horovod: copy optimizer state, parameters and buffers from root_rank, so all ranks start identical.
+
+    The optimizer state goes first: on a rank with empty state, Horovod initialises it with one zero-gradient step,
+    which moves parameters under weight decay; broadcasting the parameters afterwards undoes that.
+    """
     hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """Any picklable object from root_rank to all ranks (counters, scheduler state, RNG states)."""
+    return hvd.broadcast_object(obj, root_rank=root_rank, name=name)
+
+
+def sync_batch_norm(model):
+    """Horovod: replace every BatchNorm with hvd.SyncBatchNorm, whose statistics cover all ranks' samples."""
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
+            sync = hvd.SyncBatchNorm(child.num_features, eps=child.eps, momentum=child.momentum,
+                                     affine=child.affine, track_running_stats=child.track_running_stats)
+            sync.load_state_dict(child.state_dict())
+            setattr(model, name, sync)
+        else:
+            sync_batch_norm(child)
+    return model
+
+
+def average_buffers(model):
+    """Horovod: average floating-point buffers (BatchNorm running statistics) over the ranks.
+
+    Each rank updates its running statistics from its own samples, so without this the ranks, and the validation
+    and checkpoints they produce, would disagree. hvd.SyncBatchNorm models agree already; this costs one small
+    allreduce per buffer per epoch.
+    """
+    for name, buf in model.named_buffers():
+        if buf.is_floating_point():
+            buf.copy_(hvd.allreduce(buf, op=hvd.Average, name=f"buffer.{name}"))

@@ -60,5 +60,24 @@ def tensor_ops(device):
     return controller()
 
 
+def run_on_local_root(fn, what):
+    """Run fn() on local rank 0 of each host while the other ranks wait (downloads into a shared directory).
+
+    A failure there is announced to every rank through one allreduce, so no rank waits forever for a download that
+    has died: the host that failed raises its own error, the others a short one naming what failed.
+    """
+    error = None
+    if hvd.local_rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # re-raised below, after every rank has heard of it
+            error = e
+    failed = hvd.allreduce(torch.tensor([1.0 if error else 0.0]), op=hvd.Sum, name=f"local_root:{what}").item()
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"{what} failed on another host; see the message from its local rank 0")
+
+
 def shutdown():
     hvd.shutdown()

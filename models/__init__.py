@@ -1,13 +1,38 @@
-"""Model registry: pure nn.Modules, built by name. Nothing here knows about Horovod or distribution."""
-from models.small_cnn import SmallCNN
+"""Model registry: pure nn.Modules built by name. Nothing here knows about Horovod or distribution.
 
-# name -> factory(in_channels, num_classes, image_size)
+Each model has a task: "classification" (logits, cross-entropy, top-1/top-5) or "vae" (reconstruction + KL).
+"""
+from models.small_cnn import SmallCNN
+from models.torchvision_models import build_torchvision, probe, torchvision_names
+from models.vae import VAE
+
+# name -> (factory(in_channels, num_classes, image_size), task)
 MODELS = {
-    "small_cnn": lambda in_channels, num_classes, image_size: SmallCNN(in_channels, num_classes),
+    "small_cnn": (lambda in_channels, num_classes, image_size: SmallCNN(in_channels, num_classes), "classification"),
+    "vae": (lambda in_channels, num_classes, image_size: VAE(in_channels * image_size * image_size), "vae"),
 }
 
 
+def model_names():
+    return sorted(MODELS) + torchvision_names()
+
+
+def model_task(name):
+    return MODELS[name][1] if name in MODELS else "classification"
+
+
 def build_model(name, in_channels, num_classes, image_size):
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(sorted(MODELS))} (--model)")
-    return MODELS[name](in_channels, num_classes, image_size)
+    """Build `name` for images of in_channels x image_size x image_size and num_classes classes."""
+    if name in MODELS:
+        model = MODELS[name][0](in_channels, num_classes, image_size)
+    elif name in torchvision_names():
+        model = build_torchvision(name, in_channels, num_classes, image_size)
+    else:
+        raise ValueError(f"unknown model {name!r}; choose small_cnn, vae or a torchvision model such as resnet18, "
+                         f"resnet50, mobilenet_v3_small (--model)")
+    try:
+        probe(model, in_channels, image_size)
+    except RuntimeError as e:
+        raise ValueError(f"model {name!r} cannot take {in_channels}x{image_size}x{image_size} images ({e}); "
+                         f"choose a larger --image-size") from None
+    return model

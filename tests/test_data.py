@@ -1,15 +1,20 @@
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from data import DATASETS, build_datasets, build_loaders
+from config import DataConfig
+from data import DataError, build_datasets, build_loaders
 from data.digits import load_digits_dataset
 from data.samplers import ShardSampler
 from data.split import split_indices
+from formats import write_cifar10, write_image_folder, write_mnist, write_stl10
 
 
 def test_digits_are_the_1797_bundled_8x8_images_scaled_to_unit_range():
-    images, labels = load_digits_dataset().tensors
+    digits = load_digits_dataset()
+    images = torch.stack([digits[i][0] for i in range(len(digits))])
+    labels = torch.stack([digits[i][1] for i in range(len(digits))])
     assert images.shape == (1797, 1, 8, 8) and labels.shape == (1797,)
     assert images.min() >= 0.0 and images.max() <= 1.0
     assert set(labels.tolist()) == set(range(10))
@@ -59,9 +64,101 @@ def test_training_shards_are_disjoint_and_reshuffled_each_epoch():
     assert set(shards[0]).isdisjoint(shards[1]) and len(shards[0]) == len(shards[1]) == 50
 
 
-def test_build_datasets_reports_shapes_and_rejects_unknown_names():
-    train, val, info = build_datasets("digits", 0.2, 0)
-    assert (info.in_channels, info.num_classes, info.image_size) == DATASETS["digits"][1:]
+def test_loader_workers_use_a_fork_safe_start_method():
+    dataset = TensorDataset(torch.arange(8).float(), torch.zeros(8, dtype=torch.long))
+    loader, _, _ = build_loaders(dataset, dataset, 4, 0, 1, seed=0, workers=1)
+    assert loader.multiprocessing_context.get_start_method() == "forkserver"
+    assert sorted(torch.cat([x for x, _ in loader]).tolist()) == list(range(8))
+
+
+def test_digits_split_sizes_and_shapes():
+    train, val, info = build_datasets(DataConfig())
+    assert (info.in_channels, info.num_classes, info.image_size) == (1, 10, 8)
     assert len(train) == info.num_train == 1438 and len(val) == info.num_val == 359
-    with pytest.raises(ValueError, match="unknown data set 'imagenet'"):
-        build_datasets("imagenet", 0.2, 0)
+
+
+def test_image_size_resizes_samples():
+    train, _, info = build_datasets(DataConfig(image_size=16))
+    assert info.image_size == 16 and train[0][0].shape == (1, 16, 16)
+
+
+def test_synthetic_data_has_the_asked_shape_and_is_repeatable():
+    dc = DataConfig(dataset="synthetic", image_size=12, synthetic_samples=40, synthetic_channels=2,
+                    synthetic_classes=5)
+    train, val, info = build_datasets(dc)
+    assert (len(train), len(val), info.in_channels, info.num_classes) == (40, 10, 2, 5)
+    image, label = train[3]
+    assert image.shape == (2, 12, 12) and 0 <= int(label) < 5
+    assert torch.equal(train[3][0], image) and not torch.equal(train[4][0], image)
+
+
+def test_mnist_reads_the_idx_files(tmp_path):
+    written = write_mnist(tmp_path)
+    train, val, info = build_datasets(DataConfig(dataset="mnist", data_dir=str(tmp_path)))
+    assert (len(train), len(val), info.in_channels, info.image_size) == (64, 32, 1, 28)
+    image, label = train[5]
+    images, labels = written["train"]
+    assert int(label) == labels[5]
+    assert torch.allclose(image[0], torch.from_numpy(images[5]).float() / 255)
+
+
+def test_cifar10_reads_the_binary_batches(tmp_path):
+    written = write_cifar10(tmp_path)
+    train, val, info = build_datasets(DataConfig(dataset="cifar10", data_dir=str(tmp_path)))
+    assert (len(train), len(val), info.in_channels, info.num_classes, info.image_size) == (100, 20, 3, 10, 32)
+    images, labels = written["data_batch_2"]
+    image, label = train[20 + 7]  # batches are concatenated in order
+    assert int(label) == labels[7]
+    mean, std = torch.tensor([0.4914, 0.4822, 0.4465]), torch.tensor([0.2470, 0.2435, 0.2616])
+    expected = (torch.from_numpy(images[7]).float() / 255 - mean.view(3, 1, 1)) / std.view(3, 1, 1)
+    assert torch.allclose(image, expected, atol=1e-6)
+
+
+def test_cifar10_truncated_file_is_named(tmp_path):
+    write_cifar10(tmp_path)
+    path = tmp_path / "cifar-10-batches-bin" / "data_batch_3.bin"
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(DataError, match="data_batch_3.bin.*not a whole number"):
+        build_datasets(DataConfig(dataset="cifar10", data_dir=str(tmp_path)))
+
+
+def test_stl10_reads_column_major_images_and_1_based_labels(tmp_path):
+    written = write_stl10(tmp_path)
+    train, val, info = build_datasets(DataConfig(dataset="stl10", data_dir=str(tmp_path), image_size=32))
+    assert (len(train), len(val), info.image_size) == (12, 8, 32)
+    assert train[0][0].shape == (3, 32, 32)
+    native, _, _ = build_datasets(DataConfig(dataset="stl10", data_dir=str(tmp_path)))
+    images, labels = written["train"]
+    image, label = native[4]
+    assert int(label) == labels[4] - 1
+    mean, std = torch.tensor([0.4467, 0.4398, 0.4066]), torch.tensor([0.2603, 0.2566, 0.2713])
+    assert torch.allclose(image * std.view(3, 1, 1) + mean.view(3, 1, 1), torch.from_numpy(images[4]).float() / 255,
+                          atol=1e-5)
+
+
+def test_image_folder_with_and_without_a_val_split(tmp_path):
+    write_image_folder(tmp_path / "flat")
+    train, val, info = build_datasets(DataConfig(dataset="imagefolder", data_dir=str(tmp_path / "flat"),
+                                                 image_size=16, val_fraction=0.5))
+    assert info.num_classes == 3 and len(train) + len(val) == 18 and len(val) == 9
+    assert train[0][0].shape == (3, 16, 16)
+    write_image_folder(tmp_path / "tree" / "train", per_class=4)
+    write_image_folder(tmp_path / "tree" / "val", per_class=2)
+    train, val, info = build_datasets(DataConfig(dataset="imagefolder", data_dir=str(tmp_path / "tree"),
+                                                 image_size=16))
+    assert (len(train), len(val), info.num_classes) == (12, 6, 3)
+
+
+@pytest.mark.parametrize("dataset,looked_for", [("mnist", "MNIST/raw"), ("cifar10", "cifar-10-batches-bin"),
+                                                ("stl10", "stl10_binary"), ("imagefolder", "does not exist")])
+def test_missing_data_says_where_it_looked_and_how_to_get_it(tmp_path, dataset, looked_for):
+    with pytest.raises(DataError, match=looked_for) as err:
+        build_datasets(DataConfig(dataset=dataset, data_dir=str(tmp_path / "nothing")))
+    assert dataset == "imagefolder" or "--download" in str(err.value)
+
+
+def test_uint8_images_stay_uint8_in_memory(tmp_path):
+    write_cifar10(tmp_path)
+    train, _, _ = build_datasets(DataConfig(dataset="cifar10", data_dir=str(tmp_path)))
+    assert train.images.dtype == torch.uint8 and isinstance(train.images, torch.Tensor)
+    assert np.isfinite(train[0][0].numpy()).all()

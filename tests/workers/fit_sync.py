@@ -12,18 +12,22 @@ import torch
 import engine
 import hvd_utils
 from data import build_datasets, build_loaders
+from config import OptimConfig, DataConfig
 from models import build_model
+from tasks import TASKS
 
 
 def main(out_dir):
     rt = hvd_utils.init()
     torch.manual_seed(rt.rank)
-    train_set, val_set, info = build_datasets("digits", 0.2, 0)
+    train_set, val_set, info = build_datasets(DataConfig())
     train_loader, val_loader, sampler = build_loaders(train_set, val_set, 64, rt.rank, rt.size, seed=0)
     model = build_model("small_cnn", info.in_channels, info.num_classes, info.image_size)
     optimizer = hvd_utils.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)
     hvd_utils.broadcast_state(model, optimizer)
-    engine.fit(model, optimizer, train_loader, val_loader, sampler, 2, torch.device("cpu"), "cosine")
+    scheduler = engine.make_scheduler(optimizer, OptimConfig(epochs=2), len(train_loader), rt.size)
+    engine.fit(model, TASKS["classification"], optimizer, scheduler, train_loader, val_loader, sampler,
+               torch.device("cpu"), epochs=2)
     torch.save(model.state_dict(), f"{out_dir}/rank{rt.rank}.pt")
     hvd_utils.shutdown()
 

@@ -13,6 +13,7 @@ import engine
 import hvd_utils
 from data.digits import load_digits_dataset
 from models import build_model
+from tasks import TASKS
 
 
 def main(out_file, batch):
@@ -22,9 +23,11 @@ def main(out_file, batch):
     model.eval()  # no dropout: the comparison must not depend on per-rank random masks
     optimizer = hvd_utils.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), model)
     hvd_utils.broadcast_state(model, optimizer)
-    images, labels = load_digits_dataset().tensors
+    digits = load_digits_dataset()
     lo, hi = rt.rank * batch, (rt.rank + 1) * batch
-    engine.train_step(model, optimizer, images[lo:hi], labels[lo:hi])
+    images = torch.stack([digits[i][0] for i in range(lo, hi)])
+    labels = torch.stack([digits[i][1] for i in range(lo, hi)])
+    engine.train_step(model, TASKS["classification"], optimizer, images, labels)
     if rt.is_main:
         torch.save(model.state_dict(), out_file)
     hvd_utils.shutdown()

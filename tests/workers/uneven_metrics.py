@@ -15,6 +15,7 @@ from torch.utils.data import TensorDataset
 import engine
 import hvd_utils
 from data import build_loaders
+from tasks import TASKS
 
 
 def fixed_samples(n):
@@ -32,9 +33,9 @@ def main(out_dir, n, batch):
     logits, labels = fixed_samples(n)
     dataset = TensorDataset(logits, labels)
     _, val_loader, _ = build_loaders(dataset, dataset, batch, rt.rank, rt.size, seed=0)
-    local = engine.evaluate(nn.Identity(), val_loader, torch.device("cpu"))
-    result = engine.averages(hvd_utils.allreduce_sums(local))
-    result["local_count"] = float(local["count"])
+    task, cpu = TASKS["classification"], torch.device("cpu")
+    result = engine.evaluate_all(nn.Identity(), task, val_loader, cpu)
+    result["local_count"] = float(engine.evaluate(nn.Identity(), task, val_loader, cpu).get("count", 0))
     with open(f"{out_dir}/rank{rt.rank}.json", "w") as f:
         json.dump(result, f)
     hvd_utils.shutdown()

@@ -1,0 +1,48 @@
+"""STL-10 in its binary version: <data_dir>/stl10_binary/{train,test}_{X,y}.bin (labelled splits).
+
+X files hold uint8 images of 3x96x96 stored column-major (each channel is written column by column);
+y files hold one label byte per image, 1 to 10.
+"""
+import os
+
+import numpy as np
+import torch
+
+from data.arrays import ImageTensorDataset
+from data.errors import DataError
+
+URL = "http://ai.stanford.edu/~acoates/stl10/stl10_binary.tar.gz"
+FOLDER = "stl10_binary"
+SIDE = 96
+MEAN, STD = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
+
+
+def download(data_dir):
+    from torchvision.datasets.utils import download_and_extract_archive
+
+    download_and_extract_archive(URL, download_root=data_dir)
+
+
+def read_split(folder, split):
+    x_path, y_path = os.path.join(folder, f"{split}_X.bin"), os.path.join(folder, f"{split}_y.bin")
+    pixels = np.fromfile(x_path, dtype=np.uint8)
+    labels = np.fromfile(y_path, dtype=np.uint8).astype(np.int64) - 1
+    if pixels.size != labels.size * 3 * SIDE * SIDE or labels.size == 0:
+        raise DataError(f"{x_path} holds {pixels.size} bytes for {labels.size} labels in {y_path}; expected "
+                        f"{3 * SIDE * SIDE} bytes per label: a file is truncated or not STL-10's binary version")
+    if labels.min() < 0 or labels.max() > 9:
+        raise DataError(f"{y_path}: labels outside 1..10; not STL-10's binary version")
+    # Column-major on disk: swap the last two axes to get (channel, row, column).
+    images = torch.from_numpy(pixels.reshape(-1, 3, SIDE, SIDE).transpose(0, 1, 3, 2).copy())
+    return images, torch.from_numpy(labels)
+
+
+def load(data_dir, image_size=0):
+    folder = os.path.join(data_dir, FOLDER)
+    missing = [f for f in ("train_X.bin", "train_y.bin", "test_X.bin", "test_y.bin")
+               if not os.path.isfile(os.path.join(folder, f))]
+    if missing:
+        raise DataError(f"STL-10 not found: {', '.join(missing)} missing in {folder}. Run once with --download "
+                        f"(needs internet), or extract {URL} into {data_dir}")
+    return [ImageTensorDataset(*read_split(folder, split), image_size=image_size, mean=MEAN, std=STD)
+            for split in ("train", "test")]

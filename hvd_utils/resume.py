@@ -1,0 +1,74 @@
+"""Checkpoints across ranks: rank 0 reads, every rank receives; every rank's RNG state is gathered for saving."""
+import horovod.torch as hvd
+
+import checkpoint
+
+
+def _on_root_then_everywhere(fn, name):
+    """fn() on rank 0, its result on every rank. An error on rank 0 is raised on every rank instead of leaving the
+    others waiting in a broadcast that never comes."""
+    result, error = None, None
+    if hvd.rank() == 0:
+        try:
+            result = fn()
+        except (checkpoint.CheckpointError, RuntimeError, ValueError) as e:
+            error = e
+    error, result = hvd.broadcast_object((error, result), root_rank=0, name=name)
+    if error is not None:
+        raise error
+    return result
+
+
+def _check_fits(ckpt, path, expect):
+    for key, value in expect.items():
+        if ckpt.get(key) != value:
+            raise checkpoint.CheckpointError(f"{path} was written for {key}={ckpt.get(key)!r}, this run has "
+                                             f"{key}={value!r}; use a matching --model/--dataset or another file")
+
+
+def restore(path, model, optimizer, scheduler, scaler, expect):
+    """Load `path` on rank 0 into the model, optimizer, schedule and scaler, then give every rank the same state.
+
+    `expect` maps checkpoint fields (model_name, task, num_classes) to this run's values; a mismatch is refused
+    with the field named. Returns the checkpoint's counters and history, the same on every rank, and restores each
+    rank's own RNG state when the world size is unchanged.
+    """
+    def load_on_root():
+        ckpt = checkpoint.load(path)
+        _check_fits(ckpt, path, expect)
+        try:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise checkpoint.CheckpointError(f"{path}: its weights do not fit this model ({str(e).splitlines()[0]})")
+        return {k: ckpt[k] for k in ("epoch", "step", "best_metric", "best_epoch", "history", "world_size", "rng",
+                                     "scheduler", "scaler")}
+
+    meta = _on_root_then_everywhere(load_on_root, "resume")
+    scheduler.load_state_dict(meta["scheduler"])
+    if scaler is not None and meta["scaler"]:
+        scaler.load_state_dict(meta["scaler"])
+    if meta["world_size"] == hvd.size():
+        checkpoint.set_rng_state(meta["rng"][hvd.rank()])
+    return meta
+
+
+def load_weights(path, model, expect):
+    """Only the model weights, for --evaluate: rank 0 reads, every rank receives."""
+    def load_on_root():
+        ckpt = checkpoint.load(path)
+        _check_fits(ckpt, path, expect)
+        try:
+            model.load_state_dict(ckpt["model"])
+        except RuntimeError as e:
+            raise checkpoint.CheckpointError(f"{path}: its weights do not fit this model ({str(e).splitlines()[0]})")
+        return {"epoch": ckpt["epoch"]}
+
+    meta = _on_root_then_everywhere(load_on_root, "weights")
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return meta
+
+
+def gather_rng_states():
+    """Every rank's RNG states, in rank order (a collective: every rank must call it)."""
+    return hvd.allgather_object(checkpoint.rng_state(), name="rng_states")

@@ -1,0 +1,63 @@
+"""What a model is trained to do: its loss terms, the sums that make its metrics, and how to read them.
+
+A task's `sums` returns per-batch sums (never means) so that adding them over batches and ranks and dividing once
+gives exact averages. Keys ending in `_sum` become means per sample; `correct1`/`correct5` become percentages.
+"""
+import torch
+import torch.nn.functional as F
+
+
+class Classification:
+    name = "classification"
+    keys = ("loss_sum", "correct1", "correct5", "count")
+    best_metric, best_mode = "val_acc1", "max"
+
+    def losses(self, model, images, labels):
+        """(total loss for backward, outputs) for one batch."""
+        logits = model(images)
+        return F.cross_entropy(logits, labels), logits
+
+    def sums(self, loss, logits, labels):
+        k = min(5, logits.shape[1])
+        return {
+            "loss_sum": loss.detach() * labels.shape[0],
+            "correct1": (logits.argmax(dim=1) == labels).sum(),
+            "correct5": (logits.topk(k, dim=1).indices == labels.unsqueeze(1)).any(dim=1).sum(),
+            "count": torch.tensor(labels.shape[0]),
+        }
+
+
+class VAE:
+    """Variational autoencoder: loss = reconstruction (binary cross-entropy, summed over pixels) + KL divergence,
+    both per sample; the two terms are reduced and reported separately."""
+    name = "vae"
+    keys = ("loss_sum", "recon_sum", "kl_sum", "count")
+    best_metric, best_mode = "val_loss", "min"
+
+    def losses(self, model, images, labels):
+        recon, mu, logvar = model(images)
+        n = images.shape[0]
+        target = images.clamp(0.0, 1.0)
+        recon_loss = F.binary_cross_entropy(recon.float(), target.float(), reduction="sum") / n
+        kl = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp()) / n
+        return recon_loss + kl, (recon_loss.detach(), kl.detach())
+
+    def sums(self, loss, terms, labels):
+        n = labels.shape[0]
+        recon, kl = terms
+        return {"loss_sum": loss.detach() * n, "recon_sum": recon * n, "kl_sum": kl * n, "count": torch.tensor(n)}
+
+
+TASKS = {"classification": Classification(), "vae": VAE()}
+
+
+def averages(totals):
+    """Global sums -> per-sample means and accuracies in percent. With no samples, means are NaN and counts 0."""
+    count = totals.get("count", 0.0)
+    out = {"count": int(count)}
+    for key, value in totals.items():
+        if key.endswith("_sum"):
+            out[key[:-4]] = value / count if count else float("nan")
+        elif key.startswith("correct"):
+            out["acc" + key[len("correct"):]] = 100.0 * value / count if count else 0.0
+    return out
