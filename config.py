@@ -164,6 +164,9 @@ class Config:
     def __post_init__(self):
         _require(not self.run.evaluate or bool(self.checkpoint.resume), "run.evaluate (--evaluate)",
                  self.run.evaluate, "needs a checkpoint: add --resume PATH or --resume auto")
+        _require(not (self.horovod.use_adasum and self.optim.amp == "fp16"), "horovod.use_adasum (--use-adasum)",
+                 self.horovod.use_adasum, "cannot be combined with --amp fp16: the gradient scaler needs averaged "
+                 "gradients, which Adasum does not produce; use --amp bf16")
 
     def to_dict(self):
         return dataclasses.asdict(self)

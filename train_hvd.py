@@ -56,6 +56,10 @@ def check_choices(cfg):
         raise ConfigError(f"--dataset={cfg.data.dataset!r} is not known; choose one of: {', '.join(DATASETS)}")
     if cfg.optim.amp == "fp16" and not torch.cuda.is_available():
         raise ConfigError("--amp fp16 needs a GPU (no CUDA device is visible); use --amp bf16 on the CPU")
+    if cfg.horovod.sync_bn and not torch.cuda.is_available():
+        raise ConfigError("--sync-bn needs GPUs: Horovod's SyncBatchNorm works on CUDA tensors only (no CUDA "
+                          "device is visible). On the CPU, leave it off: BatchNorm statistics are averaged over "
+                          "the ranks after every epoch anyway")
 
 
 def prepare_data(cfg):
@@ -87,8 +91,8 @@ def main(argv=None):
         model = hvd_utils.sync_batch_norm(model)
     model.to(rt.device)
 
-    # Horovod: scale the learning rate with the global batch. Adasum adapts to the number of ranks itself.
-    lr_scale = accumulate * (1 if cfg.horovod.use_adasum else rt.size)
+    # Horovod: scale the learning rate with the global batch.
+    lr_scale = hvd_utils.lr_scale(rt.size, accumulate, cfg.horovod.use_adasum)
     lr = cfg.optim.lr * lr_scale
     optimizer = hvd_utils.distributed_optimizer(
         engine.build_optimizer(model, cfg.optim, lr), model, batches_per_allreduce=accumulate,

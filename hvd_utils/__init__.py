@@ -5,11 +5,11 @@ Each function also works in a single process (hvd.size() == 1), so a plain `pyth
 from hvd_utils.metrics import (allreduce_sums, fingerprints_by_rank, gather_object, params_fingerprint,
                                sum_across_ranks)
 from hvd_utils.optim import (apply_gradients, average_buffers, broadcast_object, broadcast_state,
-                             distributed_optimizer, scaled_lr, sync_batch_norm)
+                             distributed_optimizer, lr_scale, sync_batch_norm)
 from hvd_utils.resume import gather_rng_states, load_weights, restore
 from hvd_utils.runtime import Runtime, init, launcher_rank, run_on_local_root, shutdown
 
-__all__ = ["Runtime", "init", "launcher_rank", "run_on_local_root", "shutdown", "scaled_lr",
+__all__ = ["Runtime", "init", "launcher_rank", "run_on_local_root", "shutdown", "lr_scale",
            "distributed_optimizer", "apply_gradients", "average_buffers", "broadcast_state", "broadcast_object",
            "sync_batch_norm", "restore", "load_weights", "gather_rng_states", "allreduce_sums", "sum_across_ranks",
            "gather_object", "params_fingerprint", "fingerprints_by_rank"]

@@ -1,11 +1,14 @@
 """Wrapping the optimizer, the synchronize-then-step pattern, and making every rank start from rank 0's state."""
 import horovod.torch as hvd
 import torch
+from horovod.torch.optimizer import _DistributedAdasumOptimizer
 
 
-def scaled_lr(base_lr, world_size, batches_per_allreduce=1):
-    """Linear scaling rule (Goyal et al. 2017): the learning rate grows with the global batch."""
-    return base_lr * world_size * batches_per_allreduce
+def lr_scale(world_size, batches_per_allreduce=1, use_adasum=False):
+    """The learning-rate multiplier. Linear scaling rule (Goyal et al. 2017): the rate grows with the global
+    batch, ranks x batches per allreduce. Adasum adapts to the number of ranks by itself, so only the local
+    accumulation counts there (as in Horovod's own examples on the CPU)."""
+    return batches_per_allreduce * (1 if use_adasum else world_size)
 
 
 def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allreduce=False, use_adasum=False,
@@ -23,10 +26,20 @@ def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allred
         gradient_predivide_factor=gradient_predivide_factor)
 
 
+def _is_adasum(optimizer):
+    # hvd.DistributedOptimizer builds a new class from the wrapped optimizer's class and copies in the methods of
+    # its Adasum variant, so isinstance cannot tell; the methods can (not `step`, which torch re-wraps).
+    return type(optimizer).__dict__.get("skip_synchronize") is _DistributedAdasumOptimizer.__dict__["skip_synchronize"]
+
+
 def apply_gradients(optimizer, step, before_step=None):
     """Horovod: wait for the averaged gradients, let before_step() see them (unscale, clip), then step() without
-    a second allreduce. Works for a plain torch optimizer too (one process, or before wrapping)."""
-    if not hasattr(optimizer, "synchronize"):
+    a second allreduce. Works for a plain torch optimizer too (one process, or before wrapping).
+
+    Adasum's optimizer steps locally and then combines the parameter updates, so there are no combined gradients
+    to look at: before_step() sees this rank's own.
+    """
+    if not hasattr(optimizer, "synchronize") or _is_adasum(optimizer):
         if before_step is not None:
             before_step()
         return step()

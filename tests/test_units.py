@@ -8,15 +8,16 @@ import torch
 import checkpoint
 import engine
 from config import OptimConfig
-from hvd_utils import scaled_lr
+from hvd_utils import lr_scale
 from models import build_model, model_names, model_task
 from reporting import Reporter
 from tasks import TASKS, averages
 
 
-@pytest.mark.parametrize("base,world,accumulate,expected", [(0.1, 1, 1, 0.1), (0.1, 8, 1, 0.8), (0.0125, 32, 2, 0.8)])
-def test_learning_rate_scales_linearly_with_the_global_batch(base, world, accumulate, expected):
-    assert scaled_lr(base, world, accumulate) == pytest.approx(expected)
+@pytest.mark.parametrize("world,accumulate,adasum,expected", [(1, 1, False, 1), (8, 1, False, 8), (32, 2, False, 64),
+                                                              (8, 2, True, 2)])
+def test_learning_rate_scales_linearly_with_the_global_batch(world, accumulate, adasum, expected):
+    assert lr_scale(world, accumulate, adasum) == expected
 
 
 def test_averages_divide_global_sums_by_the_global_count():

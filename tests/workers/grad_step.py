@@ -1,11 +1,12 @@
 """One optimizer step through hvd-train's own pieces; rank r trains on samples [r*B, (r+1)*B) of the digits.
 
-    grad_step.py OUT_FILE BATCH_PER_RANK
+    grad_step.py OUT_FILE BATCH_PER_RANK [--accumulate N] [--fp16-allreduce] [--adasum] [--predivide F]
 
 Rank 0 saves the parameters after the step to OUT_FILE. With 2 ranks and batch B, and with 1 rank and batch 2B,
-both runs see the same 2B samples; averaged gradients make the two results equal.
+both runs see the same 2B samples; averaged gradients make the two results equal. Plain SGD without momentum
+and learning rate 0.5, so the update is exactly -0.5 x the combined gradient.
 """
-import sys
+import argparse
 
 import torch
 
@@ -16,22 +17,33 @@ from models import build_model
 from tasks import TASKS
 
 
-def main(out_file, batch):
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_file")
+    parser.add_argument("batch", type=int)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--fp16-allreduce", action="store_true")
+    parser.add_argument("--adasum", action="store_true")
+    parser.add_argument("--predivide", type=float, default=1.0)
+    args = parser.parse_args()
+
     rt = hvd_utils.init()
     torch.manual_seed(0)
     model = build_model("small_cnn", 1, 10, 8)
     model.eval()  # no dropout: the comparison must not depend on per-rank random masks
-    optimizer = hvd_utils.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), model)
+    optimizer = hvd_utils.distributed_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), model, batches_per_allreduce=args.accumulate,
+        fp16_allreduce=args.fp16_allreduce, use_adasum=args.adasum, gradient_predivide_factor=args.predivide)
     hvd_utils.broadcast_state(model, optimizer)
     digits = load_digits_dataset()
-    lo, hi = rt.rank * batch, (rt.rank + 1) * batch
+    lo, hi = rt.rank * args.batch, (rt.rank + 1) * args.batch
     images = torch.stack([digits[i][0] for i in range(lo, hi)])
     labels = torch.stack([digits[i][1] for i in range(lo, hi)])
-    engine.train_step(model, TASKS["classification"], optimizer, images, labels)
+    engine.train_step(model, TASKS["classification"], optimizer, images, labels, accumulate=args.accumulate)
     if rt.is_main:
-        torch.save(model.state_dict(), out_file)
+        torch.save(model.state_dict(), args.out_file)
     hvd_utils.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main()

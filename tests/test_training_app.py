@@ -1,0 +1,148 @@
+"""train_hvd.py's features end to end, as users run them: 2 ranks under horovodrun or mpirun, or one process."""
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import ROOT, launch, read_json
+from formats import write_cifar10, write_image_folder, write_mnist
+
+pytestmark = pytest.mark.distributed
+TRAIN = ROOT / "train_hvd.py"
+QUIET = ["--logging.progress=false", "--logging.tensorboard=false", "--logging.plot=false"]
+
+
+def last_checkpoint(out):
+    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+
+
+def test_resuming_is_bitwise_exact(tmp_path):
+    # Warmup, then a step decay at epoch 3, momentum and dropout: every piece of state matters.
+    common = ["--lr-schedule", "step", "--optim.lr_milestones", "3", "--warmup-epochs", "1", *QUIET]
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "straight", "--epochs", "4", *common)
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "2", *common)
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "4", "--resume", "auto",
+                  *common)
+    assert "resuming after epoch 2" in proc.stdout
+    straight, resumed = last_checkpoint(tmp_path / "straight"), last_checkpoint(tmp_path / "resumed")
+    assert straight["epoch"] == resumed["epoch"] == 4
+    for name, value in straight["model"].items():
+        assert torch.equal(value, resumed["model"][name]), f"{name} differs after resuming"
+    for key, state in straight["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"], resumed["optimizer"]["state"][key]["momentum_buffer"])
+    assert straight["scheduler"]["last_epoch"] == resumed["scheduler"]["last_epoch"]
+    history = read_json(tmp_path / "resumed" / "summary.json")["history"]
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4]
+    assert [h["val_loss"] for h in history] == \
+        [h["val_loss"] for h in read_json(tmp_path / "straight" / "summary.json")["history"]]
+
+
+def test_checkpoints_hold_everything_and_evaluate_reproduces_the_validation(tmp_path):
+    out = tmp_path / "run"
+    launch("horovodrun-gloo", 2, TRAIN, "--output-dir", out, "--epochs", "3", "--checkpoint.keep_last", "2", *QUIET)
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["best.pt", "epoch_0002.pt", "epoch_0003.pt", "last.pt"]
+    ckpt = last_checkpoint(out)
+    for key in ("model", "optimizer", "scheduler", "scaler", "epoch", "step", "best_metric", "config", "rng"):
+        assert key in ckpt, key
+    assert len(ckpt["rng"]) == 2 and ckpt["config"]["optim"]["epochs"] == 3
+    summary = read_json(out / "summary.json")
+    best = torch.load(summary["best_checkpoint"], weights_only=True)
+    assert best["epoch"] == summary["best_epoch"] and best["best_metric"] == summary["best_value"]
+
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "eval", "--evaluate", "--resume",
+           out / "checkpoints" / "last.pt")
+    evaluation = read_json(tmp_path / "eval" / "evaluation.json")
+    last = summary["history"][-1]
+    assert evaluation["count"] == 359 and evaluation["epoch"] == 3
+    assert evaluation["acc1"] == pytest.approx(last["val_acc1"]) and evaluation["loss"] == pytest.approx(
+        last["val_loss"], rel=1e-6)
+
+
+def test_a_non_finite_loss_stops_every_rank_together(tmp_path):
+    proc = launch("horovodrun-gloo", 2, TRAIN, "--output-dir", tmp_path, "--lr", "1e12", "--logging.log_every", "5",
+                  *QUIET, check=False, timeout=120)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert output.count("the loss became NaN or infinite") == 1, output[-3000:]
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_vae_reports_reconstruction_and_kl_reduced_over_ranks(tmp_path):
+    write_mnist(tmp_path / "data", n_train=96, n_test=40)
+    launch("horovodrun-mpi", 2, TRAIN, "--output-dir", tmp_path / "out", "--config",
+           ROOT / "configs" / "mnist_vae.yaml", "--data-dir", tmp_path / "data", "--epochs", "2", "--batch-size", "16",
+           *QUIET)
+    summary = read_json(tmp_path / "out" / "summary.json")
+    assert summary["task"] == "vae" and summary["config_name"] == "mnist_vae" and summary["best_metric"] == "val_loss"
+    for record in summary["history"]:
+        assert record["val_count"] == 40
+        assert record["val_loss"] == pytest.approx(record["val_recon"] + record["val_kl"], rel=1e-6)
+        assert record["train_recon"] > 0 and record["train_kl"] >= 0
+    assert summary["history"][1]["train_loss"] < summary["history"][0]["train_loss"]
+
+
+def test_torchvision_resnet_on_cifar10_files_with_every_precision_and_horovod_option(tmp_path):
+    write_cifar10(tmp_path / "data", per_batch=16, n_test=12)
+    launch("horovodrun-gloo", 2, TRAIN, "--output-dir", tmp_path / "out", "--dataset", "cifar10", "--data-dir",
+           tmp_path / "data", "--model", "resnet18", "--image-size", "16", "--epochs", "2", "--batch-size", "4",
+           "--optimizer", "adamw", "--lr", "0.001", "--amp", "bf16", "--clip-grad", "1.0",
+           "--batches-per-allreduce", "2", "--fp16-allreduce", "--warmup-epochs", "1", "--lr-schedule",
+           "exponential", *QUIET)
+    summary = read_json(tmp_path / "out" / "summary.json")
+    assert summary["params_in_sync"] and summary["global_batch_size"] == 4 * 2 * 2
+    assert summary["lr"] == pytest.approx(0.001 * 4)
+    assert all(h["val_count"] == 12 and h["train_loss"] == h["train_loss"] for h in summary["history"])
+
+
+def test_image_folder_trains_on_png_files(tmp_path):
+    write_image_folder(tmp_path / "data", per_class=8, size=12)
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "out", "--dataset", "imagefolder", "--data-dir",
+           tmp_path / "data", "--image-size", "12", "--epochs", "3", "--batch-size", "4", *QUIET)
+    summary = read_json(tmp_path / "out" / "summary.json")
+    assert summary["history"][-1]["val_count"] == round(24 * 0.2) and summary["params_in_sync"]
+
+
+def test_what_people_see_and_what_rank_0_writes(tmp_path):
+    out = tmp_path / "run"
+    proc = launch("horovodrun-gloo", 2, TRAIN, "--output-dir", out, "--epochs", "2",
+                  "--config", ROOT / "configs" / "digits_cnn.yaml")
+    start = proc.stdout
+    for needle in ("2 rank(s), 2 per host", "device cpu", "controller Gloo", "tensor ops Gloo",
+                   "batch 32 per rank x 2 ranks x 1 per allreduce = 64 global", "lr 0.025 base x 2 = 0.05"):
+        assert needle in start, needle
+    lines = [line for line in start.splitlines() if re.search(r"epoch \d/2 ", line)]
+    assert len(lines) == 2 and all("val loss" in line and "top-1" in line and "top-5" in line and "samples/s"
+                                   in line for line in lines)
+    # The progress bar (tqdm, on stderr) comes from rank 0 only.
+    assert re.search(r"\[0\]<stderr>:.*epoch 1/2:.*step", proc.stderr)
+    assert not re.search(r"\[1\]<stderr>:.*epoch 1/2:", proc.stderr)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1, 2] and "val_acc5" in metrics[0]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    summary = read_json(out / "summary.json")
+    assert summary["config_name"] == "digits_cnn" and summary["curves_png"] == str(out / "curves.png")
+    assert read_json(out / "config.json")["optim"]["epochs"] == 2
+
+
+def test_one_process_runs_a_recipe_with_overrides(tmp_path):
+    launch("single", 1, TRAIN, "--config", ROOT / "configs" / "digits_cnn.yaml", "--output-dir", tmp_path,
+           "--epochs", "1", "--optimizer", "adam", "--lr", "0.002", "--optim.weight_decay", "0.01", *QUIET)
+    summary = read_json(tmp_path / "summary.json")
+    assert summary["world_size"] == 1 and summary["epochs"] == 1 and summary["final_val_acc1"] > 50
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--sync-bn"], "--sync-bn needs GPUs"),
+    (["--amp", "fp16"], "--amp fp16 needs a GPU"),
+    (["--resume", "nowhere.pt"], "--resume nowhere.pt: no such file"),
+    (["--dataset", "cifar10", "--data-dir", "/nonexistent"], "CIFAR-10 not found"),
+    (["--model", "alexnet"], "cannot take 1x8x8 images"),
+])
+def test_impossible_requests_stop_with_one_clear_message(tmp_path, args, message):
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path, *args, *QUIET, check=False, timeout=120)
+    assert proc.returncode == 2
+    assert (proc.stdout + proc.stderr).count(message) == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
