@@ -132,12 +132,14 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     progress: bool = True       # rank 0 shows a progress bar per epoch (tqdm)
+    progress_every: float = 60.0  # seconds between progress lines when stderr is not a terminal (logs, horovodrun)
     log_every: int = 20         # steps between progress updates and the all-rank non-finite loss check
     tensorboard: bool = True    # write TensorBoard events to <output dir>/tensorboard
     plot: bool = True           # draw the loss and accuracy curves to <output dir>/curves.png at the end
 
     def __post_init__(self):
         _require(self.log_every >= 1, "logging.log_every", self.log_every, "must be 1 or more steps")
+        _require(self.progress_every >= 0, "logging.progress_every", self.progress_every, "must be 0 or more seconds")
 
 
 @dataclass

@@ -8,6 +8,7 @@ a non-finite loss. Every rank runs the same collectives in the same order.
 import contextlib
 import logging
 import math
+import sys
 import time
 
 import torch
@@ -137,7 +138,7 @@ def _add(total, sums, device):
 
 
 def train_one_epoch(model, task, loader, optimizer, scheduler, device, *, epoch=1, epochs=1, accumulate=1,
-                    amp="off", scaler=None, clip_grad=0.0, log_every=20, show_progress=False):
+                    amp="off", scaler=None, clip_grad=0.0, log_every=20, show_progress=False, progress_every=60.0):
     """Train on this rank's shard for one epoch; returns this rank's metric sums as float64 tensors.
 
     Raises NonFiniteLossError on every rank when any rank saw a NaN or infinite loss (checked every log_every
@@ -145,8 +146,11 @@ def train_one_epoch(model, task, loader, optimizer, scheduler, device, *, epoch=
     """
     model.train()
     total, bad = {}, torch.zeros((), device=device)
+    # On a terminal the bar redraws in place. In a log (horovodrun and mpirun pipe the output) every redraw is a
+    # new line, so there it appears only for epochs longer than progress_every seconds, and updates that often.
+    quiet = 0.0 if sys.stderr.isatty() else progress_every
     bar = tqdm(total=len(loader), desc=f"epoch {epoch}/{epochs}", unit="step", disable=not show_progress,
-               dynamic_ncols=True, leave=False)
+               dynamic_ncols=True, leave=False, delay=quiet, mininterval=max(0.1, quiet))
     start = time.perf_counter()
     for step, (images, labels) in enumerate(loader, 1):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
@@ -165,7 +169,7 @@ def train_one_epoch(model, task, loader, optimizer, scheduler, device, *, epoch=
             seen = float(total["count"])
             bar.set_postfix(loss=f"{float(total['loss_sum']) / max(1.0, seen):.4f}",
                             lr=f"{optimizer.param_groups[0]['lr']:.3g}",
-                            samples_s=f"{seen / (time.perf_counter() - start):.0f}")
+                            samples_s=f"{seen / (time.perf_counter() - start):.0f}", refresh=False)
     bar.close()
     return total
 
@@ -196,7 +200,7 @@ def reduce_sums(task, local, name):
 
 def fit(model, task, optimizer, scheduler, train_loader, val_loader, train_sampler, device, *, epochs,
         start_epoch=1, accumulate=1, amp="off", scaler=None, clip_grad=0.0, log_every=20, show_progress=False,
-        on_epoch_end=None):
+        progress_every=60.0, on_epoch_end=None):
     """Train epochs start_epoch..epochs, validating after each; returns the per-epoch history.
 
     on_epoch_end(epoch, record) runs on every rank after each epoch (checkpoints, reports).
@@ -209,7 +213,8 @@ def fit(model, task, optimizer, scheduler, train_loader, val_loader, train_sampl
         start = time.perf_counter()
         train_sums = train_one_epoch(model, task, train_loader, optimizer, scheduler, device, epoch=epoch,
                                      epochs=epochs, accumulate=accumulate, amp=amp, scaler=scaler,
-                                     clip_grad=clip_grad, log_every=log_every, show_progress=show_progress)
+                                     clip_grad=clip_grad, log_every=log_every, show_progress=show_progress,
+                                     progress_every=progress_every)
         train = averages(reduce_sums(task, train_sums, name="train_sums"))
         epoch_seconds = time.perf_counter() - start
         hvd_utils.average_buffers(model)  # BatchNorm statistics agree before validation and checkpoints

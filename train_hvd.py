@@ -149,7 +149,7 @@ def main(argv=None):
                    epochs=cfg.optim.epochs, start_epoch=state["epoch"] + 1, accumulate=accumulate,
                    amp=cfg.optim.amp, scaler=scaler, clip_grad=cfg.optim.clip_grad,
                    log_every=cfg.logging.log_every, show_progress=rt.is_main and cfg.logging.progress,
-                   on_epoch_end=on_epoch_end)
+                   progress_every=cfg.logging.progress_every, on_epoch_end=on_epoch_end)
     finally:
         reporter.close()
     return finish(cfg, rt, model, task, state, lr, reporter)

@@ -107,7 +107,7 @@ def test_image_folder_trains_on_png_files(tmp_path):
 def test_what_people_see_and_what_rank_0_writes(tmp_path):
     out = tmp_path / "run"
     proc = launch("horovodrun-gloo", 2, TRAIN, "--output-dir", out, "--epochs", "2",
-                  "--config", ROOT / "configs" / "digits_cnn.yaml")
+                  "--config", ROOT / "configs" / "digits_cnn.yaml", "--logging.progress_every=0")
     start = proc.stdout
     for needle in ("2 rank(s), 2 per host", "device cpu", "controller Gloo", "tensor ops Gloo",
                    "batch 32 per rank x 2 ranks x 1 per allreduce = 64 global", "lr 0.025 base x 2 = 0.05"):
