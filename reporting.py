@@ -5,6 +5,9 @@ Every method is a no-op on the other ranks, so callers need no `if rank == 0`.
 import json
 import math
 import os
+import time
+
+import psutil
 
 
 class Reporter:
@@ -61,3 +64,36 @@ class Reporter:
     def close(self):
         if self.writer is not None:
             self.writer.close()
+
+
+def write_json(path, obj):
+    """Write via a temporary file and rename, so a reader never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def build_summary(cfg, rt, task, state, lr, fingerprints):
+    """The run's headline figures and its full history, for summary.json."""
+    history, last = state["history"], state["history"][-1]
+    summary = {
+        "config_name": cfg.run.name or "default", "world_size": rt.size, "local_size": rt.local_size,
+        "device": str(rt.device), "controller": rt.controller, "tensor_ops": rt.tensor_ops,
+        "threads_per_rank": rt.threads, "dataset": cfg.data.dataset, "model": cfg.model.name, "task": task.name,
+        "epochs": cfg.optim.epochs, "batch_size_per_rank": cfg.optim.batch_size,
+        "global_batch_size": cfg.optim.batch_size * rt.size * cfg.horovod.batches_per_allreduce,
+        "base_lr": cfg.optim.lr, "lr": lr, "lr_schedule": cfg.optim.lr_schedule,
+        "best_metric": task.best_metric, "best_value": state["best_metric"], "best_epoch": state["best_epoch"],
+        "best_checkpoint": os.path.join(cfg.run.output_dir, "checkpoints", "best.pt"),
+        "final_val_loss": last["val_loss"],
+        "train_samples_per_sec": sum(r["train_count"] for r in history) / sum(r["epoch_seconds"] for r in history),
+        "params_in_sync": len(set(fingerprints)) == 1, "params_fingerprints": fingerprints,
+        # From the process's own start, imports and Horovod start-up included: what a user waits for.
+        "wall_seconds": time.time() - psutil.Process().create_time(), "history": history,
+    }
+    if "val_acc1" in last:
+        summary["best_val_acc1"] = max(r["val_acc1"] for r in history)
+        summary["final_val_acc1"] = last["val_acc1"]
+    return summary

@@ -51,6 +51,11 @@ class VAE:
 TASKS = {"classification": Classification(), "vae": VAE()}
 
 
+def improved(task, value, best):
+    """Whether `value` of the task's best_metric beats `best` (None: nothing yet)."""
+    return best is None or (value > best if task.best_mode == "max" else value < best)
+
+
 def averages(totals):
     """Global sums -> per-sample means and accuracies in percent. With no samples, means are NaN and counts 0."""
     count = totals.get("count", 0.0)

@@ -12,23 +12,20 @@ Recipes and overrides: `python train_hvd.py --config configs/cifar10_resnet18.ya
 Continue a run: `--resume auto`; evaluate a checkpoint: `--evaluate --resume runs/x/checkpoints/best.pt`.
 All settings: `python train_hvd.py --help`. Rank 0 prints and writes everything in --output-dir.
 """
-import json
 import logging
 import os
 import sys
-import time
 
-import psutil
 import torch
 
 import engine
 import hvd_utils
-from checkpoint import Checkpointer, CheckpointError, resolve
+from checkpoint import VERSION, Checkpointer, CheckpointError, resolve
 from config import ConfigError, parse_config
 from data import DATASETS, DataError, build_datasets, build_loaders, download_fn
 from models import build_model, model_names, model_task
-from reporting import Reporter
-from tasks import TASKS
+from reporting import Reporter, build_summary, write_json
+from tasks import TASKS, improved
 
 log = logging.getLogger("hvd_train")
 
@@ -36,15 +33,6 @@ log = logging.getLogger("hvd_train")
 def setup_logging(is_main):
     # Only rank 0 speaks; the others report warnings and errors only.
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, format="%(message)s", stream=sys.stdout)
-
-
-def write_json(path, obj):
-    """Write via a temporary file and rename, so a reader never sees half a file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def check_choices(cfg):
@@ -110,17 +98,7 @@ def main(argv=None):
         state = hvd_utils.restore(resolve_everywhere(cfg, ckpt_dir), model, optimizer, scheduler, scaler, fits)
     hvd_utils.broadcast_state(model, optimizer, root_rank=0)
 
-    log.info("hvd-train %s: %d rank(s), %d per host, device %s, %d CPU thread(s) per rank, controller %s, "
-             "tensor ops %s", cfg.run.name or "default", rt.size, rt.local_size, rt.device, rt.threads,
-             rt.controller, rt.tensor_ops)
-    log.info("data %s: %d train / %d val samples of %dx%dx%d; model %s (%s, %.2fM parameters)", cfg.data.dataset,
-             info.num_train, info.num_val, info.in_channels, info.image_size, info.image_size, cfg.model.name,
-             task.name, sum(p.numel() for p in model.parameters()) / 1e6)
-    log.info("batch %d per rank x %d ranks x %d per allreduce = %d global; lr %g base x %d = %g, %s schedule, "
-             "%g warmup epochs; amp %s%s", cfg.optim.batch_size, rt.size, accumulate,
-             cfg.optim.batch_size * rt.size * accumulate, cfg.optim.lr, lr_scale, lr, cfg.optim.lr_schedule,
-             cfg.optim.warmup_epochs, cfg.optim.amp, f"; resuming after epoch {state['epoch']}" if state["epoch"]
-             else "")
+    log_setup(cfg, rt, info, task, model, lr_scale, lr, state["epoch"])
 
     checkpointer = Checkpointer(ckpt_dir, cfg.checkpoint.keep_last, enabled=rt.is_main)
     reporter = Reporter(cfg.run.output_dir, rt.is_main, cfg.logging.tensorboard, resume=bool(cfg.checkpoint.resume))
@@ -129,16 +107,14 @@ def main(argv=None):
 
     def on_epoch_end(epoch, record):
         state["history"].append(record)
-        value = record[task.best_metric]
-        better = state["best_metric"] is None or (value > state["best_metric"] if task.best_mode == "max"
-                                                  else value < state["best_metric"])
+        better = improved(task, record[task.best_metric], state["best_metric"])
         if better:
-            state["best_metric"], state["best_epoch"] = value, epoch
+            state["best_metric"], state["best_epoch"] = record[task.best_metric], epoch
         reporter.epoch(record)
         if epoch % cfg.checkpoint.every_epochs == 0 or epoch == cfg.optim.epochs:
             rng = hvd_utils.gather_rng_states()  # a collective: every rank, every checkpoint
             checkpointer.save({
-                "version": 1, "epoch": epoch, "step": epoch * len(train_loader), "model": model.state_dict(),
+                "version": VERSION, "epoch": epoch, "step": epoch * len(train_loader), "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict() if scaler else None, "best_metric": state["best_metric"],
                 "best_epoch": state["best_epoch"], "history": state["history"], "config": cfg.to_dict(),
@@ -153,6 +129,22 @@ def main(argv=None):
     finally:
         reporter.close()
     return finish(cfg, rt, model, task, state, lr, reporter)
+
+
+def log_setup(cfg, rt, info, task, model, lr_scale, lr, resumed_epoch):
+    """The batch and learning-rate arithmetic, and who is running where: the first thing to check in a log."""
+    accumulate = cfg.horovod.batches_per_allreduce
+    log.info("hvd-train %s: %d rank(s), %d per host, device %s, %d CPU thread(s) per rank, controller %s, "
+             "tensor ops %s", cfg.run.name or "default", rt.size, rt.local_size, rt.device, rt.threads,
+             rt.controller, rt.tensor_ops)
+    log.info("data %s: %d train / %d val samples of %dx%dx%d; model %s (%s, %.2fM parameters)", cfg.data.dataset,
+             info.num_train, info.num_val, info.in_channels, info.image_size, info.image_size, cfg.model.name,
+             task.name, sum(p.numel() for p in model.parameters()) / 1e6)
+    log.info("batch %d per rank x %d ranks x %d per allreduce = %d global; lr %g base x %d = %g, %s schedule, "
+             "%g warmup epochs; amp %s%s", cfg.optim.batch_size, rt.size, accumulate,
+             cfg.optim.batch_size * rt.size * accumulate, cfg.optim.lr, lr_scale, lr, cfg.optim.lr_schedule,
+             cfg.optim.warmup_epochs, cfg.optim.amp, f"; resuming after epoch {resumed_epoch}" if resumed_epoch
+             else "")
 
 
 def resolve_everywhere(cfg, ckpt_dir):
@@ -175,35 +167,15 @@ def evaluate_only(cfg, rt, model, task, val_loader, path, fits):
 def finish(cfg, rt, model, task, state, lr, reporter):
     # Every rank must end with the same weights; a difference means gradients were not averaged.
     fingerprints = hvd_utils.fingerprints_by_rank(model)
-    in_sync = len(set(fingerprints)) == 1
     if rt.is_main:
-        history, last = state["history"], state["history"][-1]
-        summary = {
-            "config_name": cfg.run.name or "default", "world_size": rt.size, "local_size": rt.local_size,
-            "device": str(rt.device), "controller": rt.controller, "tensor_ops": rt.tensor_ops,
-            "threads_per_rank": rt.threads, "dataset": cfg.data.dataset, "model": cfg.model.name,
-            "task": task.name, "epochs": cfg.optim.epochs, "batch_size_per_rank": cfg.optim.batch_size,
-            "global_batch_size": cfg.optim.batch_size * rt.size * cfg.horovod.batches_per_allreduce,
-            "base_lr": cfg.optim.lr, "lr": lr, "lr_schedule": cfg.optim.lr_schedule,
-            "best_metric": task.best_metric, "best_value": state["best_metric"], "best_epoch": state["best_epoch"],
-            "best_checkpoint": os.path.join(cfg.run.output_dir, "checkpoints", "best.pt"),
-            "final_val_loss": last["val_loss"],
-            "train_samples_per_sec": (sum(r["train_count"] for r in history)
-                                      / sum(r["epoch_seconds"] for r in history)),
-            "params_in_sync": in_sync, "params_fingerprints": fingerprints,
-            # From the process's own start, imports and Horovod start-up included: what a user waits for.
-            "wall_seconds": time.time() - psutil.Process().create_time(), "history": history,
-        }
-        if "val_acc1" in last:
-            summary["best_val_acc1"] = max(r["val_acc1"] for r in history)
-            summary["final_val_acc1"] = last["val_acc1"]
-        summary["curves_png"] = reporter.plot(history, os.path.join(cfg.run.output_dir, "curves.png")) \
-            if cfg.logging.plot else None
+        summary = build_summary(cfg, rt, task, state, lr, fingerprints)
+        summary["curves_png"] = (reporter.plot(state["history"], os.path.join(cfg.run.output_dir, "curves.png"))
+                                 if cfg.logging.plot else None)
         write_json(os.path.join(cfg.run.output_dir, "summary.json"), summary)
         log.info("done: best %s %.4g (epoch %s), %.0f train samples/s, %.1fs wall; summary in %s",
                  task.best_metric, state["best_metric"], state["best_epoch"], summary["train_samples_per_sec"],
                  summary["wall_seconds"], os.path.join(cfg.run.output_dir, "summary.json"))
-    if not in_sync:
+    if len(set(fingerprints)) != 1:
         log.error("ranks ended with different parameters (fingerprints %s): gradients were not averaged",
                   fingerprints)
         return 1
@@ -214,15 +186,12 @@ def cli():
     code = 1
     try:
         code = main()
-    except (ConfigError, DataError, CheckpointError) as e:
-        # The same on every rank (checked on all, or sent from rank 0), so none waits on another; rank 0 says it.
+    except (ConfigError, DataError, CheckpointError, engine.NonFiniteLossError) as e:
+        # Raised on every rank at the same point (checked on all, or sent from rank 0), so none waits on another;
+        # rank 0 alone says it. Exit 2: a setting or a file to fix; 3: the training diverged.
         if hvd_utils.launcher_rank() == 0:
             print(f"train_hvd.py: error: {e}", file=sys.stderr)
-        code = 2
-    except engine.NonFiniteLossError as e:
-        if hvd_utils.launcher_rank() == 0:
-            print(f"train_hvd.py: error: {e}", file=sys.stderr)
-        code = 3
+        code = 3 if isinstance(e, engine.NonFiniteLossError) else 2
     finally:
         hvd_utils.shutdown()
     sys.exit(code)

@@ -1,0 +1,55 @@
+"""hostfiles/validate.py: valid files pass with a total; every problem is reported with its line number."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+VALIDATE = ROOT / "hostfiles" / "validate.py"
+
+
+def validate(tmp_path, text):
+    path = tmp_path / "hosts.txt"
+    path.write_text(text)
+    return subprocess.run([sys.executable, str(VALIDATE), str(path)], capture_output=True, text=True, timeout=30)
+
+
+def test_the_shipped_example_is_valid():
+    proc = subprocess.run([sys.executable, str(VALIDATE), str(ROOT / "hostfiles" / "example.txt")],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "2 host(s), 8 slot(s)" in proc.stdout
+
+
+def test_comments_blank_lines_addresses_and_max_slots_are_fine(tmp_path):
+    proc = validate(tmp_path, "# cluster\n\nnode-1 slots=4 max_slots=8  # GPUs\n10.0.0.2 slots=2\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "node-1:4, 10.0.0.2:2" in proc.stdout
+
+
+@pytest.mark.parametrize("text,line,message", [
+    ("a slots=2\nb\n", 2, "b has no slots=N"),
+    ("a slots=0\n", 1, "a has slots=0"),
+    ("a slots=2\n\na slots=1\n", 3, "a is listed again (first on line 1)"),
+    ("a slots=two\n", 1, "slots='two' on a is not a whole number"),
+    ("a slots=2 gpus=4\n", 1, "unknown option 'gpus=4'"),
+    ("a slots=4 max_slots=2\n", 1, "max_slots=2 below slots=4"),
+    ("slots=4\n", 1, "is not a host name"),
+    ("# nothing\n", 1, "no hosts"),
+])
+def test_each_problem_is_named_with_its_line(tmp_path, text, line, message):
+    proc = validate(tmp_path, text)
+    assert proc.returncode == 1
+    [report] = [row for row in proc.stderr.splitlines() if message in row]
+    assert f"hosts.txt:{line}: " in report
+
+
+def test_all_problems_are_reported_at_once(tmp_path):
+    proc = validate(tmp_path, "a\nb slots=0\nc slots=1\n")
+    assert proc.returncode == 1 and proc.stderr.count("hosts.txt:") == 2
+
+
+def test_a_missing_file_is_an_error_not_a_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, str(VALIDATE), str(tmp_path / "nope")], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 1 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr

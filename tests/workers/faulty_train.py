@@ -1,0 +1,35 @@
+"""train_hvd.py with a fault injected into one rank's training step, as a crash in user code or a dying host.
+
+    faulty_train.py RANK STEP {raise,kill} -- TRAIN_HVD_ARGS...
+
+On global rank RANK, at training step STEP, the step either raises RuntimeError or the process SIGKILLs itself.
+Everything else is the real application.
+"""
+import os
+import signal
+import sys
+
+import engine
+import hvd_utils
+import train_hvd
+
+
+def main():
+    rank, step, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    sys.argv = [sys.argv[0]] + sys.argv[sys.argv.index("--") + 1:]
+    real_step, calls = engine.train_step, {"n": 0}
+
+    def faulty_step(*args, **kwargs):
+        calls["n"] += 1
+        if hvd_utils.launcher_rank() == rank and calls["n"] == step:
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+        return real_step(*args, **kwargs)
+
+    engine.train_step = faulty_step
+    train_hvd.cli()
+
+
+if __name__ == "__main__":
+    main()
