@@ -23,7 +23,7 @@ $(READY): requirements.txt scripts/install.sh scripts/build_horovod.py setup.cfg
 	@touch $@
 
 demo: setup
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/horovodrun -np $(NP) -H localhost:$(NP) python train_hvd.py --output-dir $(DEMO_DIR)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/horovodrun -np $(NP) -H localhost:$(NP) python train_hvd.py --output-dir $(DEMO_DIR) --overwrite
 	@$(PY) scripts/show_summary.py $(DEMO_DIR)/summary.json
 
 test: setup lint

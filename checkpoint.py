@@ -66,6 +66,39 @@ def epoch_files(directory):
     return sorted(files, key=lambda p: int(re.search(r"epoch_(\d+)\.pt$", p).group(1)))
 
 
+# What a run leaves in its output directory; a fresh run refuses to start over these unless told to.
+RUN_FILES = ("checkpoints/last.pt", "summary.json", "metrics.jsonl")
+REPLACED_ON_OVERWRITE = ("summary.json", "metrics.jsonl", "config.json", "curves.png", "tensorboard", "checkpoints")
+
+
+def claim_output_dir(output_dir, resume, overwrite):
+    """Decide how this run uses output_dir without losing an earlier run; returns the checkpoint to resume from,
+    or None for a fresh start.
+
+    A directory holding a run is continued (--resume), replaced (--overwrite), or refused with the choices named.
+    """
+    ckpt_dir = os.path.join(output_dir, "checkpoints")
+    found = [f for f in RUN_FILES if os.path.exists(os.path.join(output_dir, f))]
+    if resume:
+        path = resolve(resume, ckpt_dir)
+        if path is None and found:
+            raise CheckpointError(f"--resume auto: {output_dir} holds a run ({', '.join(found)}) but no "
+                                  f"checkpoints/last.pt to continue from; pass --overwrite to replace it, or choose "
+                                  f"another --output-dir")
+        return path
+    if found and not overwrite:
+        raise CheckpointError(f"{output_dir} already holds a run ({', '.join(found)}); continue it with --resume auto, "
+                              f"replace it with --overwrite, or choose another --output-dir")
+    if found:
+        for name in REPLACED_ON_OVERWRITE:
+            path = os.path.join(output_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+    return None
+
+
 class Checkpointer:
     """Writes checkpoints on rank 0 and keeps last.pt, best.pt and the newest keep_last per-epoch files."""
 
@@ -73,11 +106,15 @@ class Checkpointer:
         self.directory, self.keep_last, self.enabled = directory, keep_last, enabled
         if enabled:
             os.makedirs(directory, exist_ok=True)
+            # Left by a writer that was killed mid-write; the files they were replacing are intact.
+            for stale in glob.glob(os.path.join(directory, "*.tmp.*")):
+                os.remove(stale)
 
     def save(self, payload, epoch, is_best):
         """Write epoch `epoch`; returns the path of last.pt (None on ranks that do not write)."""
         if not self.enabled:
             return None
+        os.makedirs(self.directory, exist_ok=True)  # an elastic run's writer may change, and start late
         path = os.path.join(self.directory, f"epoch_{epoch:04d}.pt")
         atomic_save(payload, path)
         last = os.path.join(self.directory, "last.pt")
@@ -90,13 +127,11 @@ class Checkpointer:
 
 
 def resolve(resume, directory):
-    """The checkpoint file named by --resume: a path, or `auto` for the newest in `directory`."""
+    """The checkpoint file named by --resume: a path, or `auto` for <directory>/last.pt (None when there is none
+    yet, so a job script can always pass --resume auto)."""
     if resume == "auto":
         last = os.path.join(directory, "last.pt")
-        if not os.path.isfile(last):
-            raise CheckpointError(f"--resume auto: no checkpoint in {directory} (looked for last.pt); train first, "
-                                  f"or pass --resume PATH")
-        return last
+        return last if os.path.isfile(last) else None
     if not os.path.isfile(resume):
         raise CheckpointError(f"--resume {resume}: no such file")
     return resume

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 LR_SCHEDULES = ("constant", "cosine", "step", "exponential")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 AMP_MODES = ("off", "bf16", "fp16")
+DEVICES = ("auto", "cuda", "cpu")
 
 
 class ConfigError(ValueError):
@@ -41,6 +42,7 @@ class DataConfig:
     val_fraction: float = 0.2   # share held out for validation where the data set has no split of its own, 0 < x < 1
     split_seed: int = 0         # seed of that split; fixed so every rank and every run agree
     workers: int = 0            # DataLoader worker processes per rank (0: load in the training process)
+    skip_bad_files: bool = False  # imagefolder: decode every image once at start and leave out those that fail
     synthetic_samples: int = 1024  # synthetic: number of training samples (validation gets a quarter as many)
     synthetic_channels: int = 3    # synthetic: image channels
     synthetic_classes: int = 10    # synthetic: number of classes
@@ -108,12 +110,15 @@ class HorovodConfig:
     use_adasum: bool = False        # combine gradients with Adasum instead of averaging them
     gradient_predivide_factor: float = 1.0  # divide gradients by this before the allreduce, the rest after
     sync_bn: bool = False           # batch-norm statistics computed over all ranks (hvd.SyncBatchNorm)
+    elastic: bool = False           # elastic training under horovodrun --min-np/--max-np --host-discovery-script
+    commit_every: int = 20          # elastic: steps between state commits (at most this many are redone on a reset)
 
     def __post_init__(self):
         _require(self.batches_per_allreduce >= 1, "horovod.batches_per_allreduce (--batches-per-allreduce)",
                  self.batches_per_allreduce, "must be 1 or more")
         _require(self.gradient_predivide_factor > 0, "horovod.gradient_predivide_factor",
                  self.gradient_predivide_factor, "must be positive")
+        _require(self.commit_every >= 1, "horovod.commit_every", self.commit_every, "must be 1 or more steps")
         _require(not (self.use_adasum and self.gradient_predivide_factor != 1.0), "horovod.use_adasum",
                  self.use_adasum, "cannot be combined with gradient_predivide_factor != 1")
 
@@ -147,10 +152,13 @@ class RunConfig:
     output_dir: str = "runs/latest"  # where rank 0 writes summary, metrics, checkpoints and the resolved config
     seed: int = 42                   # base random seed; rank r seeds with seed + r, parameters come from rank 0
     evaluate: bool = False           # only evaluate the checkpoint given by --resume, then stop
+    overwrite: bool = False          # start afresh in an output directory that holds a run, replacing its files
+    device: str = "auto"             # auto (the GPU local_rank when CUDA sees one, else the CPU), cuda or cpu
     name: str = ""                   # name of this configuration in the summary (default: the recipe's file name)
 
     def __post_init__(self):
         _require(bool(self.output_dir), "run.output_dir (--output-dir)", self.output_dir, "must name a directory")
+        _choice("run.device (--device)", self.device, DEVICES)
 
 
 @dataclass
@@ -166,6 +174,10 @@ class Config:
     def __post_init__(self):
         _require(not self.run.evaluate or bool(self.checkpoint.resume), "run.evaluate (--evaluate)",
                  self.run.evaluate, "needs a checkpoint: add --resume PATH or --resume auto")
+        _require(not (self.horovod.elastic and self.data.download), "horovod.elastic (--elastic)", True,
+                 "cannot download (--download) while workers come and go: fetch the data set once beforehand")
+        _require(not (self.run.overwrite and self.checkpoint.resume), "run.overwrite (--overwrite)",
+                 self.run.overwrite, "contradicts --resume: continue the run, or replace it, not both")
         _require(not (self.horovod.use_adasum and self.optim.amp == "fp16"), "horovod.use_adasum (--use-adasum)",
                  self.horovod.use_adasum, "cannot be combined with --amp fp16: the gradient scaler needs averaged "
                  "gradients, which Adasum does not produce; use --amp bf16")
@@ -182,6 +194,8 @@ ALIASES = {
     "output-dir": "run.output_dir",
     "seed": "run.seed",
     "evaluate": "run.evaluate",
+    "overwrite": "run.overwrite",
+    "device": "run.device",
     "model": "model.name",
     "dataset": "data.dataset",
     "data-dir": "data.data_dir",
@@ -201,9 +215,11 @@ ALIASES = {
     "fp16-allreduce": "horovod.fp16_allreduce",
     "use-adasum": "horovod.use_adasum",
     "sync-bn": "horovod.sync_bn",
+    "elastic": "horovod.elastic",
     "resume": "checkpoint.resume",
 }
-CHOICES = {"optim.optimizer": OPTIMIZERS, "optim.lr_schedule": LR_SCHEDULES, "optim.amp": AMP_MODES}
+CHOICES = {"optim.optimizer": OPTIMIZERS, "optim.lr_schedule": LR_SCHEDULES, "optim.amp": AMP_MODES,
+           "run.device": DEVICES}
 
 
 def _fields():

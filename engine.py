@@ -77,6 +77,16 @@ def lr_factor(step, steps_per_epoch, total_steps, schedule, warmup_epochs=0.0, w
     raise ValueError(f"unknown learning-rate schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
 
 
+def set_lr_at(optimizer, optim_cfg, lr_scale, epochs_done):
+    """Set the rate for a point in training measured in (fractional) epochs: elastic runs, whose steps per epoch
+    change with the number of workers, follow the same schedule as fixed ones."""
+    per_epoch = 1000  # resolution of the fractional epoch
+    factor = lr_factor(epochs_done * per_epoch, per_epoch, optim_cfg.epochs * per_epoch, optim_cfg.lr_schedule,
+                       optim_cfg.warmup_epochs, 1.0 / lr_scale, optim_cfg.lr_milestones, optim_cfg.lr_gamma)
+    for group in optimizer.param_groups:
+        group["lr"] = optim_cfg.lr * lr_scale * factor
+
+
 def make_scheduler(optimizer, optim_cfg, steps_per_epoch, lr_scale):
     """A per-step LambdaLR following optim_cfg's schedule and warmup; call .step() after every optimizer step."""
     total = optim_cfg.epochs * steps_per_epoch
@@ -228,6 +238,63 @@ def fit(model, task, optimizer, scheduler, train_loader, val_loader, train_sampl
         if on_epoch_end is not None:
             on_epoch_end(epoch, record)
     return history
+
+
+class _EveryStep:
+    """Something with a step() method, for train_one_epoch to call after each optimizer step."""
+
+    def __init__(self, fn):
+        self.step = fn
+
+
+def fit_elastic(state, model, task, optimizer, train_loader, train_sampler, make_val_loader, device, *, optim_cfg,
+                lr_scale_fn, commit_every, progress, accumulate=1, amp="off", scaler=None, clip_grad=0.0,
+                log_every=20, show_progress=False, progress_every=60.0, on_epoch_end=None):
+    """The training loop of an elastic run, to be wrapped in hvd_utils.elastic.run: re-entered after every reset
+    from the last commit (state.epoch, state.batch and the sampler's position), with whatever workers remain.
+
+    Commits every `commit_every` steps and after each epoch; `progress` (a dict) records the last step done, so a
+    reset callback can tell how many steps were rolled back.
+    """
+    val_loader = make_val_loader()  # validation shards follow the current set of workers
+    num_samples = len(train_sampler.dataset)
+    while state.epoch <= optim_cfg.epochs:
+        epoch = state.epoch
+
+        def epochs_done():
+            return epoch - 1 + min(1.0, train_sampler.processed_num / num_samples)
+
+        def after_step():
+            state.batch += 1
+            state.steps += 1
+            train_sampler.record_batch(state.batch, train_loader.batch_size)
+            progress.update(epoch=epoch, batch=state.batch)
+            set_lr_at(optimizer, optim_cfg, lr_scale_fn(), epochs_done())
+            if state.batch % commit_every == 0:
+                state.commit()  # also where a worker learns that hosts were added or removed
+
+        set_lr_at(optimizer, optim_cfg, lr_scale_fn(), epochs_done())
+        lr = optimizer.param_groups[0]["lr"]
+        start = time.perf_counter()
+        train_sums = train_one_epoch(model, task, train_loader, optimizer, _EveryStep(after_step), device,
+                                     epoch=epoch, epochs=optim_cfg.epochs, accumulate=accumulate, amp=amp,
+                                     scaler=scaler, clip_grad=clip_grad, log_every=log_every,
+                                     show_progress=show_progress, progress_every=progress_every)
+        # After a reset mid-epoch these cover the steps since the reset; validation is always complete.
+        train = averages(reduce_sums(task, train_sums, name="train_sums"))
+        epoch_seconds = time.perf_counter() - start
+        hvd_utils.average_buffers(model)
+        val = evaluate_all(model, task, val_loader, device, amp)
+        record = {"epoch": epoch, "lr": lr, "epoch_seconds": epoch_seconds,
+                  "samples_per_sec": train["count"] / epoch_seconds}
+        record.update({f"train_{k}": v for k, v in train.items()})
+        record.update({f"val_{k}": v for k, v in val.items()})
+        log.info(format_record(record, optim_cfg.epochs))
+        if on_epoch_end is not None:
+            on_epoch_end(epoch, record)
+        train_sampler.set_epoch(epoch + 1)  # Horovod's ElasticSampler: called at the end, it starts a new epoch
+        state.batch, state.epoch = 0, epoch + 1
+        state.commit()
 
 
 def format_record(record, epochs):

@@ -12,17 +12,23 @@ import psutil
 
 class Reporter:
     def __init__(self, output_dir, enabled, tensorboard=True, resume=False):
-        self.output_dir, self.enabled, self.writer = output_dir, enabled, None
-        if not enabled:
-            return
-        os.makedirs(output_dir, exist_ok=True)
+        self.output_dir, self.enabled, self.tensorboard, self.writer = output_dir, False, tensorboard, None
         self.jsonl = os.path.join(output_dir, "metrics.jsonl")
-        if not resume and os.path.exists(self.jsonl):
+        if enabled and not resume and os.path.exists(self.jsonl):
             os.remove(self.jsonl)  # a fresh run starts a fresh record; a resumed one continues it
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.set_enabled(enabled)
 
-            self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+    def set_enabled(self, enabled):
+        """Start or stop writing (in an elastic run the writing rank can change after a reset)."""
+        if enabled and not self.enabled:
+            os.makedirs(self.output_dir, exist_ok=True)
+            if self.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(os.path.join(self.output_dir, "tensorboard"))
+        elif not enabled:
+            self.close()
+        self.enabled = enabled
 
     def epoch(self, record):
         if not self.enabled:
@@ -64,6 +70,7 @@ class Reporter:
     def close(self):
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
 
 
 def write_json(path, obj):
@@ -93,6 +100,8 @@ def build_summary(cfg, rt, task, state, lr, fingerprints):
         # From the process's own start, imports and Horovod start-up included: what a user waits for.
         "wall_seconds": time.time() - psutil.Process().create_time(), "history": history,
     }
+    if "elastic" in state:
+        summary["elastic"] = state["elastic"]
     if "val_acc1" in last:
         summary["best_val_acc1"] = max(r["val_acc1"] for r in history)
         summary["final_val_acc1"] = last["val_acc1"]

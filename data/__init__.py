@@ -6,7 +6,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from data import cifar10, imagefolder, mnist, stl10
 from data.digits import load_digits_dataset
-from data.errors import DataError
+from data.errors import BadSampleError, DataError
 from data.samplers import ShardSampler
 from data.split import split_indices
 from data.synthetic import SyntheticDataset
@@ -21,7 +21,7 @@ DATASETS = {
     "imagefolder": (3, None, 224, None),
 }
 
-__all__ = ["DATASETS", "DataError", "DataInfo", "build_datasets", "build_loaders", "download_fn"]
+__all__ = ["DATASETS", "BadSampleError", "DataError", "DataInfo", "build_datasets", "build_loaders", "download_fn"]
 
 
 @dataclass
@@ -59,7 +59,7 @@ def build_datasets(dc):
     elif dc.dataset == "stl10":
         train, val = stl10.load(dc.data_dir, dc.image_size)
     else:
-        train, val, presplit = imagefolder.load(dc.data_dir, size)
+        train, val, presplit = imagefolder.load(dc.data_dir, size, dc.skip_bad_files)
         classes = len(train.classes)
     if not presplit:
         train_idx, val_idx = split_indices(len(train), dc.val_fraction, dc.split_seed)
@@ -78,10 +78,15 @@ def _worker_context(workers):
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
 
 
-def build_loaders(train_set, val_set, batch_size, rank, world_size, seed, workers=0, pin_memory=False):
-    """Training shards reshuffled each epoch (call train_sampler.set_epoch), validation shards with no repeats."""
+def build_loaders(train_set, val_set, batch_size, rank, world_size, seed, workers=0, pin_memory=False,
+                  train_sampler=None):
+    """Training shards reshuffled each epoch (call train_sampler.set_epoch), validation shards with no repeats.
+
+    train_sampler replaces the DistributedSampler (elastic runs pass Horovod's ElasticSampler).
+    """
     # Horovod: each rank reads its own 1/world_size of the training set; the shared seed makes the shuffles agree.
-    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    if train_sampler is None:
+        train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     val_sampler = ShardSampler(len(val_set), rank, world_size)
     common = dict(batch_size=batch_size, num_workers=workers, pin_memory=pin_memory,
                   persistent_workers=workers > 0, multiprocessing_context=_worker_context(workers))

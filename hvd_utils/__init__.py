@@ -6,10 +6,10 @@ from hvd_utils.metrics import (allreduce_sums, fingerprints_by_rank, gather_obje
                                sum_across_ranks)
 from hvd_utils.optim import (apply_gradients, average_buffers, broadcast_object, broadcast_state,
                              distributed_optimizer, lr_scale, sync_batch_norm)
-from hvd_utils.resume import gather_rng_states, load_weights, restore
-from hvd_utils.runtime import Runtime, init, launcher_rank, run_on_local_root, shutdown
+from hvd_utils.resume import decide_on_root, gather_rng_states, load_weights, restore
+from hvd_utils.runtime import PeerFailure, Runtime, init, launcher_rank, run_on_local_root, shutdown
 
-__all__ = ["Runtime", "init", "launcher_rank", "run_on_local_root", "shutdown", "lr_scale",
+__all__ = ["PeerFailure", "Runtime", "init", "launcher_rank", "run_on_local_root", "shutdown", "lr_scale",
            "distributed_optimizer", "apply_gradients", "average_buffers", "broadcast_state", "broadcast_object",
-           "sync_batch_norm", "restore", "load_weights", "gather_rng_states", "allreduce_sums", "sum_across_ranks",
-           "gather_object", "params_fingerprint", "fingerprints_by_rank"]
+           "sync_batch_norm", "decide_on_root", "restore", "load_weights", "gather_rng_states", "allreduce_sums",
+           "sum_across_ranks", "gather_object", "params_fingerprint", "fingerprints_by_rank"]

@@ -4,9 +4,11 @@ import horovod.torch as hvd
 import checkpoint
 
 
-def _on_root_then_everywhere(fn, name):
-    """fn() on rank 0, its result on every rank. An error on rank 0 is raised on every rank instead of leaving the
-    others waiting in a broadcast that never comes."""
+def decide_on_root(fn, name):
+    """fn() on rank 0, its result on every rank (file checks on a shared or a rank-0-only file system alike).
+
+    An error on rank 0 is raised on every rank instead of leaving the others waiting in a broadcast that never
+    comes."""
     result, error = None, None
     if hvd.rank() == 0:
         try:
@@ -26,7 +28,7 @@ def _check_fits(ckpt, path, expect):
                                              f"{key}={value!r}; use a matching --model/--dataset or another file")
 
 
-def restore(path, model, optimizer, scheduler, scaler, expect):
+def restore(path, model, optimizer, scheduler, scaler, expect, steps_per_epoch):
     """Load `path` on rank 0 into the model, optimizer, schedule and scaler, then give every rank the same state.
 
     `expect` maps checkpoint fields (model_name, task, num_classes) to this run's values; a mismatch is refused
@@ -44,8 +46,12 @@ def restore(path, model, optimizer, scheduler, scaler, expect):
         return {k: ckpt[k] for k in ("epoch", "step", "best_metric", "best_epoch", "history", "world_size", "rng",
                                      "scheduler", "scaler")}
 
-    meta = _on_root_then_everywhere(load_on_root, "resume")
-    scheduler.load_state_dict(meta["scheduler"])
+    meta = decide_on_root(load_on_root, "resume")
+    if meta["scheduler"] is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    else:  # written by an elastic run, which sets the rate from its progress: put the schedule at that point
+        scheduler.last_epoch = meta["epoch"] * steps_per_epoch - 1
+        scheduler.step()
     if scaler is not None and meta["scaler"]:
         scaler.load_state_dict(meta["scaler"])
     if meta["world_size"] == hvd.size():
@@ -53,18 +59,23 @@ def restore(path, model, optimizer, scheduler, scaler, expect):
     return meta
 
 
-def load_weights(path, model, expect):
-    """Only the model weights, for --evaluate: rank 0 reads, every rank receives."""
+def load_weights(path, model, expect, optimizer=None):
+    """The model weights (and the optimizer state, when given) from a checkpoint: rank 0 reads, every rank
+    receives. For --evaluate, and for elastic runs, which restore their counters themselves."""
     def load_on_root():
         ckpt = checkpoint.load(path)
         _check_fits(ckpt, path, expect)
         try:
             model.load_state_dict(ckpt["model"])
-        except RuntimeError as e:
+            if optimizer is not None:
+                optimizer.load_state_dict(ckpt["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
             raise checkpoint.CheckpointError(f"{path}: its weights do not fit this model ({str(e).splitlines()[0]})")
-        return {"epoch": ckpt["epoch"]}
+        return {k: ckpt.get(k) for k in ("epoch", "step", "best_metric", "best_epoch", "history")}
 
-    meta = _on_root_then_everywhere(load_on_root, "weights")
+    meta = decide_on_root(load_on_root, "weights")
+    if optimizer is not None:
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     return meta
 

@@ -4,6 +4,10 @@ from dataclasses import dataclass
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HorovodInternalError
+
+# Raised inside a collective on the surviving ranks when another rank has failed and Horovod has shut down.
+PeerFailure = HorovodInternalError
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,10 @@ def init(cpu=False):
     else:
         device = torch.device("cpu")
         # Every rank on a host would otherwise start one thread per core: N ranks on N cores run N*N threads.
+        # An explicit OMP_NUM_THREADS wins (torch reads it itself).
         threads = max(1, (os.cpu_count() or 1) // hvd.local_size())
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            threads = torch.get_num_threads()
         torch.set_num_threads(threads)
     return Runtime(
         rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size(),

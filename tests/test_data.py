@@ -162,3 +162,24 @@ def test_uint8_images_stay_uint8_in_memory(tmp_path):
     train, _, _ = build_datasets(DataConfig(dataset="cifar10", data_dir=str(tmp_path)))
     assert train.images.dtype == torch.uint8 and isinstance(train.images, torch.Tensor)
     assert np.isfinite(train[0][0].numpy()).all()
+
+
+def test_an_empty_image_folder_is_a_clear_error(tmp_path):
+    (tmp_path / "cat").mkdir()
+    with pytest.raises(DataError, match="Found no valid file for the classes cat"):
+        build_datasets(DataConfig(dataset="imagefolder", data_dir=str(tmp_path)))
+
+
+def test_a_corrupt_image_is_named_when_read_and_left_out_when_asked(tmp_path):
+    from data import BadSampleError
+
+    write_image_folder(tmp_path, per_class=4, size=8)
+    (tmp_path / "owl" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    train, val, _ = build_datasets(DataConfig(dataset="imagefolder", data_dir=str(tmp_path), image_size=8,
+                                              val_fraction=0.5))
+    with pytest.raises(BadSampleError, match="broken.png: cannot read this image"):
+        [train[i] for i in range(len(train))] + [val[i] for i in range(len(val))]
+    train, val, _ = build_datasets(DataConfig(dataset="imagefolder", data_dir=str(tmp_path), image_size=8,
+                                              val_fraction=0.5, skip_bad_files=True))
+    assert len(train) + len(val) == 12
+    assert [train[i] for i in range(len(train))] and [val[i] for i in range(len(val))]

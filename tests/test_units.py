@@ -206,11 +206,41 @@ def test_unreadable_checkpoints_name_the_file(tmp_path, content):
         checkpoint.load(str(path))
 
 
-def test_resume_paths_that_do_not_exist_are_named(tmp_path):
+def test_resume_paths_that_do_not_exist_are_named_and_auto_may_find_nothing(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="no such file"):
         checkpoint.resolve(str(tmp_path / "x.pt"), str(tmp_path))
-    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in"):
-        checkpoint.resolve("auto", str(tmp_path))
+    assert checkpoint.resolve("auto", str(tmp_path)) is None
+
+
+def make_run(directory):
+    saver = checkpoint.Checkpointer(str(directory / "checkpoints"))
+    saver.save(payload(1), 1, is_best=True)
+    (directory / "summary.json").write_text("{}")
+    (directory / "notes.txt").write_text("mine")
+
+
+def test_a_used_output_directory_is_continued_replaced_or_refused(tmp_path):
+    assert checkpoint.claim_output_dir(str(tmp_path / "new"), "", overwrite=False) is None
+    make_run(tmp_path)
+    with pytest.raises(checkpoint.CheckpointError, match="already holds a run .*--resume auto.*--overwrite"):
+        checkpoint.claim_output_dir(str(tmp_path), "", overwrite=False)
+    assert checkpoint.claim_output_dir(str(tmp_path), "auto", overwrite=False) == str(
+        tmp_path / "checkpoints" / "last.pt")
+    assert checkpoint.claim_output_dir(str(tmp_path), "", overwrite=True) is None
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"], "only the run's own files are replaced"
+
+
+def test_resume_auto_refuses_a_run_without_a_checkpoint(tmp_path):
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoints/last.pt to continue from"):
+        checkpoint.claim_output_dir(str(tmp_path), "auto", overwrite=False)
+
+
+def test_a_killed_writer_leaves_only_temporary_files_that_the_next_run_removes(tmp_path):
+    checkpoint.Checkpointer(str(tmp_path)).save(payload(1), 1, is_best=False)
+    (tmp_path / "last.pt.tmp.1234").write_bytes(b"half a checkpoint")
+    checkpoint.Checkpointer(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["epoch_0001.pt", "last.pt"]
 
 
 def test_reporter_writes_json_lines_tensorboard_events_and_a_png(tmp_path):

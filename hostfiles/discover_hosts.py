@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Host discovery for elastic runs: prints the hosts that may take part now, one `host:slots` per line.
+
+    horovodrun -np 8 --min-np 4 --max-np 16 --host-discovery-script hostfiles/discover_hosts.py \
+        python train_hvd.py --elastic
+
+Horovod runs this every second or so. Sources, in order:
+1. $HVD_HOSTS_FILE, or hostfiles/hosts.txt beside this script: a plain file an operator edits while the job runs
+   (`host slots=N` or `host:N` lines, `#` comments); remove a host to drain it, add one to grow the job;
+2. SLURM: the nodes of $SLURM_JOB_NODELIST (expanded by `scontrol show hostnames`), with
+   $SLURM_NTASKS_PER_NODE slots each (1 when unset).
+It prints nothing (and exits 0) when neither is there, so Horovod waits for hosts rather than failing.
+"""
+import os
+import re
+import subprocess
+import sys
+
+LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+)(?::(?P<colon>\d+)|\s+slots=(?P<slots>\d+))?$")
+
+
+def from_file(path):
+    hosts = []
+    with open(path) as f:
+        for number, raw in enumerate(f, 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            m = LINE.match(line)
+            if not m:
+                sys.exit(f"{path}:{number}: expected 'host slots=N' or 'host:N', got {line!r}")
+            slots = int(m.group("colon") or m.group("slots") or 1)
+            if slots > 0:
+                hosts.append((m.group("host"), slots))
+    return hosts
+
+
+def from_slurm():
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return []
+    # An argument list, never a shell: the node list comes from the environment.
+    names = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                           check=True).stdout.split()
+    slots = int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+    return [(name, slots) for name in names]
+
+
+def main():
+    path = os.environ.get("HVD_HOSTS_FILE") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "hosts.txt")
+    hosts = from_file(path) if os.path.isfile(path) else from_slurm()
+    for host, slots in hosts:
+        print(f"{host}:{slots}")
+
+
+if __name__ == "__main__":
+    main()

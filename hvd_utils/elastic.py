@@ -1,0 +1,32 @@
+"""Elastic training (horovodrun --min-np/--max-np --host-discovery-script): Horovod's state, sampler and run loop.
+
+Workers may leave (a host dies) or join while the job runs. State committed with state.commit() survives: on a
+reset every worker rolls back to the last commit, Horovod restarts its rings for the new set of workers, and the
+reset callbacks adapt what depends on the world size (learning rate, validation shards).
+"""
+import os
+
+import horovod.torch as hvd
+from horovod.torch.elastic import ElasticSampler, TorchState
+
+run = hvd.elastic.run  # decorator: re-enters the function after each reset, from the last committed state
+
+
+def under_elastic_launcher():
+    """Whether horovodrun started this process in elastic mode (with --host-discovery-script)."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+def sampler(dataset, seed):
+    """Shards the samples not yet processed this epoch among the current workers, after every reset too."""
+    return ElasticSampler(dataset, shuffle=True, seed=seed)
+
+
+def state(model, optimizer, train_sampler, **counters):
+    """Model, optimizer, sampler position and counters, saved on commit and restored and re-broadcast on reset."""
+    return TorchState(model=model, optimizer=optimizer, sampler=train_sampler, **counters)
+
+
+def world():
+    """(rank, size, local size) of the current set of workers."""
+    return hvd.rank(), hvd.size(), hvd.local_size()

@@ -1,0 +1,67 @@
+"""Elastic training on one machine: two workers on two "hosts" (two names of this machine, localhost and
+127.0.0.1, which Horovod treats as separate hosts and starts without ssh); one is killed mid-epoch and the job
+finishes on the survivor."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import BIN, ROOT, job_env, read_json
+
+pytestmark = pytest.mark.distributed
+COMMIT_EVERY = 5
+
+
+def worker_on(host, launcher_pid):
+    """The training process horovodrun started for `host` (found by the HOROVOD_HOSTNAME it was given)."""
+    for proc in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if "train_hvd.py" in " ".join(proc.cmdline()) and proc.environ().get("HOROVOD_HOSTNAME") == host:
+                return proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def test_a_killed_worker_leaves_the_survivor_to_finish_with_at_most_one_commit_redone(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    env = job_env()
+    env.update(HVD_HOSTS_FILE=str(hosts), OMP_NUM_THREADS="1")
+    out = tmp_path / "run"
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+           str(ROOT / "hostfiles" / "discover_hosts.py"), sys.executable, str(ROOT / "train_hvd.py"), "--elastic",
+           "--output-dir", str(out), "--epochs", "6", "--horovod.commit_every", str(COMMIT_EVERY),
+           "--logging.progress=false", "--logging.tensorboard=false", "--logging.plot=false"]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, killed = [], None
+    deadline = time.monotonic() + 240
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if killed is None and "epoch 1/6" in line:
+                time.sleep(0.2)  # into epoch 2
+                victim = worker_on("127.0.0.1", job.pid)
+                assert victim is not None, "no worker for 127.0.0.1"
+                os.kill(victim.pid, signal.SIGKILL)
+                killed = victim.pid
+            assert time.monotonic() < deadline, "the elastic job did not finish in time"
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    output = "".join(lines)
+    assert killed is not None, output[-3000:]
+    assert job.returncode == 0, output[-3000:]
+    assert "workers changed: now 1" in output
+    summary = read_json(out / "summary.json")
+    assert summary["world_size"] == 1 and summary["params_in_sync"]
+    assert summary["elastic"]["resets"] >= 1
+    assert 0 <= summary["elastic"]["steps_redone"] <= COMMIT_EVERY
+    assert [h["epoch"] for h in summary["history"]] == [1, 2, 3, 4, 5, 6]
+    assert all(h["val_count"] == 359 for h in summary["history"])
+    assert summary["final_val_acc1"] > 80.0

@@ -1,0 +1,143 @@
+"""Failures end cleanly and lose nothing: crashing or killed ranks, checkpoints killed mid-write, used output
+directories, and bad input, each with one clear message and a non-zero exit, never a hang."""
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoint
+from conftest import ROOT, WORKERS, job_env, launch, read_json
+from formats import write_image_folder
+
+pytestmark = pytest.mark.distributed
+TRAIN = ROOT / "train_hvd.py"
+QUIET = ["--logging.progress=false", "--logging.tensorboard=false", "--logging.plot=false"]
+BOUND = 60  # seconds within which a failed job must have ended
+
+
+def faulty(launcher, tmp_path, mode):
+    start = time.monotonic()
+    proc = launch(launcher, 2, WORKERS / "faulty_train.py", "1", "5", mode, "--", "--output-dir", tmp_path, *QUIET,
+                  check=False, timeout=BOUND)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+def test_a_rank_that_raises_reports_once_and_the_job_ends(tmp_path, launcher):
+    proc, seconds = faulty(launcher, tmp_path, "raise")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and seconds < BOUND
+    assert output.count("train_hvd.py: rank 1 failed:") == 1
+    assert output.count("RuntimeError: injected failure on rank 1 at step 5") == 1
+    assert "rank 0: stopping because another rank failed" in output
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize("launcher,names_the_rank", [("horovodrun-gloo", "Process name: 1"),
+                                                     ("mpirun", "process rank 1")])
+def test_a_killed_rank_ends_the_job_with_the_rank_named(tmp_path, launcher, names_the_rank):
+    proc, seconds = faulty(launcher, tmp_path, "kill")
+    assert proc.returncode != 0 and seconds < BOUND
+    assert names_the_rank in proc.stdout + proc.stderr
+
+
+def test_killing_the_checkpoint_writer_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
+    rng, last_epoch = random.Random(0), 0
+    for attempt in range(12):
+        writer = subprocess.Popen([sys.executable, str(WORKERS / "checkpoint_writer.py"), str(tmp_path),
+                                   str(last_epoch + 1)], env=job_env(), cwd=ROOT)
+        time.sleep(1.0 + rng.random() * 1.5)  # past start-up, then anywhere inside a write
+        writer.kill()
+        writer.wait()
+        if not (tmp_path / "last.pt").exists():
+            continue
+        last = checkpoint.load(str(tmp_path / "last.pt"))
+        assert last["epoch"] >= last_epoch
+        assert torch.equal(last["model"]["w"][:3] - last["epoch"], torch.load(
+            tmp_path / "last.pt", weights_only=True)["model"]["w"][:3] - last["epoch"])
+        if (tmp_path / "best.pt").exists():
+            assert checkpoint.load(str(tmp_path / "best.pt"))["epoch"] % 2 == 0
+        for path in checkpoint.epoch_files(str(tmp_path)):
+            checkpoint.load(path)
+        last_epoch = last["epoch"]
+    assert last_epoch > 0, "the writer never finished a checkpoint: the test proved nothing"
+    checkpoint.Checkpointer(str(tmp_path))
+    assert not [name for name in os.listdir(tmp_path) if ".tmp." in name]
+
+
+def test_an_earlier_run_is_never_clobbered_by_accident(tmp_path):
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path, "--epochs", "1", *QUIET)
+    before = (tmp_path / "summary.json").read_bytes(), (tmp_path / "checkpoints" / "last.pt").read_bytes()
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path, "--epochs", "1", *QUIET, check=False, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("already holds a run") == 1 and "--resume auto" in proc.stderr
+    assert before == ((tmp_path / "summary.json").read_bytes(), (tmp_path / "checkpoints" / "last.pt").read_bytes())
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path, "--epochs", "2", "--overwrite", *QUIET)
+    assert [h["epoch"] for h in read_json(tmp_path / "summary.json")["history"]] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "best.pt", "epoch_0001.pt", "epoch_0002.pt", "last.pt"]
+
+
+def test_resume_auto_starts_afresh_where_there_is_nothing_to_resume(tmp_path):
+    proc = launch("horovodrun-gloo", 2, TRAIN, "--output-dir", tmp_path, "--epochs", "1", "--resume", "auto", *QUIET)
+    assert "no checkpoint in" in proc.stdout and (tmp_path / "summary.json").exists()
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_the_mismatch_named(tmp_path):
+    launch("single", 1, TRAIN, "--output-dir", tmp_path / "a", "--epochs", "1", *QUIET)
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "b", "--model", "resnet18", "--resume",
+                  tmp_path / "a" / "checkpoints" / "last.pt", *QUIET, check=False, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("model_name='small_cnn', this run has model_name='resnet18'") == 1
+
+
+def test_a_corrupt_checkpoint_is_named(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"PK\x03\x04 definitely not a zip")
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "out", "--resume", bad, *QUIET, check=False,
+                  timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count(f"{bad}: not a readable hvd-train checkpoint") == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-size", "1000"], "each of the 2 ranks holds only 719 of the 1438 training samples"),
+    (["--dataset", "synthetic", "--data.synthetic_samples", "1", "--image-size", "8"],
+     "1 training sample(s) cannot be shared by 2 ranks"),
+    (["--device", "cuda"], "--device cuda: no GPU is visible"),
+    (["--resume", "auto", "--overwrite"], "contradicts --resume"),
+])
+def test_bad_input_stops_both_ranks_with_one_message(tmp_path, args, message):
+    # mpirun: horovodrun adds a traceback of its own whenever a worker exits non-zero.
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path, *args, *QUIET, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count(message) == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def write_corrupt_tree(root):
+    write_image_folder(root, per_class=6, size=12)
+    (root / "dog" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really an image")
+
+
+def test_a_corrupt_image_is_named_and_the_job_ends(tmp_path):
+    write_corrupt_tree(tmp_path / "data")
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "out", "--dataset", "imagefolder", "--data-dir",
+                  tmp_path / "data", "--image-size", "12", "--batch-size", "2", "--epochs", "1", *QUIET,
+                  check=False, timeout=BOUND)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert output.count("broken.png: cannot read this image") == 1 and "--data.skip_bad_files" in output
+
+
+def test_skip_bad_files_leaves_out_and_counts_the_corrupt_image(tmp_path):
+    write_corrupt_tree(tmp_path / "data")
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "out", "--dataset", "imagefolder", "--data-dir",
+                  tmp_path / "data", "--image-size", "12", "--batch-size", "2", "--epochs", "1",
+                  "--data.skip_bad_files", *QUIET)
+    assert "left out 1 image(s) that do not decode" in proc.stdout
+    summary = read_json(tmp_path / "out" / "summary.json")
+    assert summary["history"][0]["val_count"] + 14 == 18  # 18 good images, 20% held out (4), 14 for training
