@@ -225,19 +225,27 @@ def fit(model, task, optimizer, scheduler, train_loader, val_loader, train_sampl
                                      epochs=epochs, accumulate=accumulate, amp=amp, scaler=scaler,
                                      clip_grad=clip_grad, log_every=log_every, show_progress=show_progress,
                                      progress_every=progress_every)
-        train = averages(reduce_sums(task, train_sums, name="train_sums"))
-        epoch_seconds = time.perf_counter() - start
-        hvd_utils.average_buffers(model)  # BatchNorm statistics agree before validation and checkpoints
-        val = evaluate_all(model, task, val_loader, device, amp)
-        record = {"epoch": epoch, "lr": lr, "epoch_seconds": epoch_seconds,
-                  "samples_per_sec": train["count"] / epoch_seconds}
-        record.update({f"train_{k}": v for k, v in train.items()})
-        record.update({f"val_{k}": v for k, v in val.items()})
+        record = close_epoch(model, task, train_sums, val_loader, device, amp, epoch, epochs, lr, start,
+                             on_epoch_end)
         history.append(record)
-        log.info(format_record(record, epochs))
-        if on_epoch_end is not None:
-            on_epoch_end(epoch, record)
     return history
+
+
+def close_epoch(model, task, train_sums, val_loader, device, amp, epoch, epochs, lr, start, on_epoch_end):
+    """After an epoch's steps, on every rank: reduce the training sums, agree on BatchNorm statistics, validate,
+    log one line, hand the record to on_epoch_end(epoch, record) (checkpoints, reports) and return it."""
+    train = averages(reduce_sums(task, train_sums, name="train_sums"))
+    epoch_seconds = time.perf_counter() - start
+    hvd_utils.average_buffers(model)  # BatchNorm statistics agree before validation and checkpoints
+    val = evaluate_all(model, task, val_loader, device, amp)
+    record = {"epoch": epoch, "lr": lr, "epoch_seconds": epoch_seconds,
+              "samples_per_sec": train["count"] / epoch_seconds}
+    record.update({f"train_{k}": v for k, v in train.items()})
+    record.update({f"val_{k}": v for k, v in val.items()})
+    log.info(format_record(record, epochs))
+    if on_epoch_end is not None:
+        on_epoch_end(epoch, record)
+    return record
 
 
 class _EveryStep:
@@ -280,18 +288,9 @@ def fit_elastic(state, model, task, optimizer, train_loader, train_sampler, make
                                      epoch=epoch, epochs=optim_cfg.epochs, accumulate=accumulate, amp=amp,
                                      scaler=scaler, clip_grad=clip_grad, log_every=log_every,
                                      show_progress=show_progress, progress_every=progress_every)
-        # After a reset mid-epoch these cover the steps since the reset; validation is always complete.
-        train = averages(reduce_sums(task, train_sums, name="train_sums"))
-        epoch_seconds = time.perf_counter() - start
-        hvd_utils.average_buffers(model)
-        val = evaluate_all(model, task, val_loader, device, amp)
-        record = {"epoch": epoch, "lr": lr, "epoch_seconds": epoch_seconds,
-                  "samples_per_sec": train["count"] / epoch_seconds}
-        record.update({f"train_{k}": v for k, v in train.items()})
-        record.update({f"val_{k}": v for k, v in val.items()})
-        log.info(format_record(record, optim_cfg.epochs))
-        if on_epoch_end is not None:
-            on_epoch_end(epoch, record)
+        # After a reset mid-epoch the training sums cover the steps since the reset; validation is always complete.
+        close_epoch(model, task, train_sums, val_loader, device, amp, epoch, optim_cfg.epochs, lr, start,
+                    on_epoch_end)
         train_sampler.set_epoch(epoch + 1)  # Horovod's ElasticSampler: called at the end, it starts a new epoch
         state.batch, state.epoch = 0, epoch + 1
         state.commit()

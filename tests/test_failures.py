@@ -109,8 +109,13 @@ def test_a_corrupt_checkpoint_is_named(tmp_path):
      "1 training sample(s) cannot be shared by 2 ranks"),
     (["--device", "cuda"], "--device cuda: no GPU is visible"),
     (["--resume", "auto", "--overwrite"], "contradicts --resume"),
+    (["--dataset", "imagenet"], "--dataset='imagenet' is not known"),
+    (["--config", "RECIPE"], "unknown key optim.learning_rate; optim has: optimizer, epochs"),
 ])
 def test_bad_input_stops_both_ranks_with_one_message(tmp_path, args, message):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("optim:\n  learning_rate: 0.1\n")
+    args = [str(recipe) if a == "RECIPE" else a for a in args]
     # mpirun: horovodrun adds a traceback of its own whenever a worker exits non-zero.
     proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path, *args, *QUIET, check=False, timeout=120)
     assert proc.returncode != 0

@@ -1,4 +1,5 @@
 """hostfiles/validate.py: valid files pass with a total; every problem is reported with its line number."""
+import os
 import subprocess
 import sys
 
@@ -53,3 +54,44 @@ def test_a_missing_file_is_an_error_not_a_traceback(tmp_path):
     proc = subprocess.run([sys.executable, str(VALIDATE), str(tmp_path / "nope")], capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 1 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr
+
+
+DISCOVER = ROOT / "hostfiles" / "discover_hosts.py"
+
+
+def discover(env_extra, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "HVD_HOSTS_FILE"}
+    env["HVD_HOSTS_FILE"] = str(tmp_path / "absent.txt")
+    env.update(env_extra)
+    return subprocess.run([sys.executable, str(DISCOVER)], capture_output=True, text=True, env=env, timeout=30)
+
+
+def test_discovery_reads_the_operators_file_in_either_spelling(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("# live hosts\nnode1 slots=4\nnode2:2\nnode3 slots=0  # drained\n")
+    proc = discover({"HVD_HOSTS_FILE": str(hosts)}, tmp_path)
+    assert proc.returncode == 0 and proc.stdout.split() == ["node1:4", "node2:2"]
+
+
+def test_discovery_names_a_bad_line(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node1 slots=4\nnode2 4\n")
+    proc = discover({"HVD_HOSTS_FILE": str(hosts)}, tmp_path)
+    assert proc.returncode != 0 and "hosts.txt:2:" in proc.stderr
+
+
+def test_discovery_falls_back_to_the_slurm_allocation(tmp_path):
+    # scontrol stands in for a SLURM controller here: it expands the node list as SLURM does.
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && [ \"$3\" = 'gpu[01-02]' ] && "
+                    "printf 'gpu01\\ngpu02\\n'\n")
+    fake.chmod(0o755)
+    proc = discover({"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NTASKS_PER_NODE": "4",
+                     "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}, tmp_path)
+    assert proc.returncode == 0 and proc.stdout.split() == ["gpu01:4", "gpu02:4"]
+
+
+def test_discovery_with_no_source_prints_nothing(tmp_path):
+    proc = discover({}, tmp_path)
+    assert proc.returncode == 0 and proc.stdout == ""
