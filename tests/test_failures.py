@@ -111,11 +111,13 @@ def test_a_corrupt_checkpoint_is_named(tmp_path):
     (["--resume", "auto", "--overwrite"], "contradicts --resume"),
     (["--dataset", "imagenet"], "--dataset='imagenet' is not known"),
     (["--config", "RECIPE"], "unknown key optim.learning_rate; optim has: optimizer, epochs"),
+    (["--dataset", "imagefolder", "--data-dir", "EMPTY"], "Found no valid file for the classes cat"),
 ])
 def test_bad_input_stops_both_ranks_with_one_message(tmp_path, args, message):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("optim:\n  learning_rate: 0.1\n")
-    args = [str(recipe) if a == "RECIPE" else a for a in args]
+    (tmp_path / "empty" / "cat").mkdir(parents=True)
+    args = [{"RECIPE": str(recipe), "EMPTY": str(tmp_path / "empty")}.get(a, a) for a in args]
     # mpirun: horovodrun adds a traceback of its own whenever a worker exits non-zero.
     proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path, *args, *QUIET, check=False, timeout=120)
     assert proc.returncode != 0
