@@ -97,12 +97,16 @@ build_args=(--python "$VPY")
 "$VPY" "$ROOT/scripts/build_horovod.py" "${build_args[@]}"
 
 step "Installing hvd-train (editable)"
-if "$VPY" -m pip show -q hvd-train >/dev/null 2>&1; then
+# Keyed by setup.cfg: the editable install maps the modules listed there, so a new module needs a reinstall.
+stamp="$VENV/.editable.sha256"
+want=$(sha256sum "$ROOT/setup.cfg" | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -m pip show -q hvd-train >/dev/null 2>&1; then
     echo "installed"
 else
     # setuptools is chatty about editable installs; show its output only when it fails.
     out=$("$VPY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" 2>&1) || die "pip install -e failed:
 $out"
+    echo "$want" >"$stamp"
     echo "installed the hvd-train console script"
 fi
 
