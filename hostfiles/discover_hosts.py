@@ -13,8 +13,9 @@ It prints nothing (and exits 0) when neither is there, so Horovod waits for host
 """
 import os
 import re
-import subprocess
 import sys
+
+from generate import slurm_hosts
 
 LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+)(?::(?P<colon>\d+)|\s+slots=(?P<slots>\d+))?$")
 
@@ -35,20 +36,9 @@ def from_file(path):
     return hosts
 
 
-def from_slurm():
-    nodelist = os.environ.get("SLURM_JOB_NODELIST")
-    if not nodelist:
-        return []
-    # An argument list, never a shell: the node list comes from the environment.
-    names = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                           check=True).stdout.split()
-    slots = int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
-    return [(name, slots) for name in names]
-
-
 def main():
     path = os.environ.get("HVD_HOSTS_FILE") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "hosts.txt")
-    hosts = from_file(path) if os.path.isfile(path) else from_slurm()
+    hosts = from_file(path) if os.path.isfile(path) else slurm_hosts()
     for host, slots in hosts:
         print(f"{host}:{slots}")
 

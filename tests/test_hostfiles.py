@@ -81,17 +81,55 @@ def test_discovery_names_a_bad_line(tmp_path):
 
 
 def test_discovery_falls_back_to_the_slurm_allocation(tmp_path):
-    # scontrol stands in for a SLURM controller here: it expands the node list as SLURM does.
-    fake = tmp_path / "bin" / "scontrol"
-    fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && [ \"$3\" = 'gpu[01-02]' ] && "
-                    "printf 'gpu01\\ngpu02\\n'\n")
-    fake.chmod(0o755)
     proc = discover({"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NTASKS_PER_NODE": "4",
-                     "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}, tmp_path)
+                     "PATH": fake_scontrol(tmp_path)}, tmp_path)
     assert proc.returncode == 0 and proc.stdout.split() == ["gpu01:4", "gpu02:4"]
 
 
 def test_discovery_with_no_source_prints_nothing(tmp_path):
     proc = discover({}, tmp_path)
     assert proc.returncode == 0 and proc.stdout == ""
+
+
+GENERATE = ROOT / "hostfiles" / "generate.py"
+
+
+def fake_scontrol(tmp_path):
+    """Stands in for SLURM's controller: expands gpu[01-02] as `scontrol show hostnames` does."""
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir(exist_ok=True)
+    fake.write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && [ \"$3\" = 'gpu[01-02]' ] && "
+                    "printf 'gpu01\\ngpu02\\n'\n")
+    fake.chmod(0o755)
+    return f"{fake.parent}{os.pathsep}{os.environ['PATH']}"
+
+
+def generate(tmp_path, *args, **env_extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_"))}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, str(GENERATE), *args], capture_output=True, text=True, env=env,
+                          timeout=30)
+
+
+def test_slurm_allocation_becomes_a_valid_hostfile_or_a_host_list(tmp_path):
+    slurm = dict(SLURM_JOB_NODELIST="gpu[01-02]", SLURM_NTASKS_PER_NODE="4(x2)", PATH=fake_scontrol(tmp_path))
+    proc = generate(tmp_path, "slurm", **slurm)
+    assert proc.returncode == 0 and proc.stdout.splitlines() == ["gpu01 slots=4", "gpu02 slots=4"]
+    (tmp_path / "hosts.txt").write_text(proc.stdout)
+    assert validate(tmp_path, proc.stdout).returncode == 0
+    assert generate(tmp_path, "slurm", "--format", "hosts", "--slots", "8", **slurm).stdout.strip() == \
+        "gpu01:8,gpu02:8"
+
+
+def test_pbs_nodefile_lines_are_counted_into_slots(tmp_path):
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("n1\nn1\nn2\nn1\nn2\n")
+    proc = generate(tmp_path, "pbs", PBS_NODEFILE=str(nodefile))
+    assert proc.returncode == 0 and proc.stdout.splitlines() == ["n1 slots=3", "n2 slots=2"]
+
+
+def test_outside_a_job_the_generator_says_what_is_missing(tmp_path):
+    proc = generate(tmp_path, "slurm")
+    assert proc.returncode != 0 and "$SLURM_JOB_NODELIST is not set" in proc.stderr
+    proc = generate(tmp_path, "pbs", "--slots", "0", PBS_NODEFILE="x")
+    assert proc.returncode != 0 and "--slots 0" in proc.stderr
