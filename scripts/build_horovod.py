@@ -136,6 +136,18 @@ def nccl_dirs():
     return base / "include", base / "lib"
 
 
+def cuda_home():
+    return os.environ.get("HOROVOD_CUDA_HOME") or os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+
+
+def check_gpu_toolchain():
+    """Before downloading anything: a GPU build needs a full CUDA toolkit (nvcc and the runtime headers)."""
+    home = cuda_home()
+    if not (Path(home, "bin", "nvcc").is_file() and Path(home, "include", "cuda_runtime.h").is_file()):
+        die(f"a GPU build needs a full CUDA toolkit (bin/nvcc and include/cuda_runtime.h); {home} lacks them. "
+            "Set CUDA_HOME to the toolkit (the CUDA devel images have it), or build for the CPU with --cpu.")
+
+
 def build_env(gpu, cxx_standard, work_dir):
     env = dict(os.environ)
     env.update({
@@ -165,10 +177,7 @@ def build_env(gpu, cxx_standard, work_dir):
             "HOROVOD_NCCL_INCLUDE": str(include),
             "HOROVOD_NCCL_LIB": str(link_dir),
         })
-        env.setdefault("HOROVOD_CUDA_HOME", env.get("CUDA_HOME", "/usr/local/cuda"))
-        if not Path(env["HOROVOD_CUDA_HOME"], "include", "cuda_runtime.h").is_file():
-            die(f"a GPU build needs a full CUDA toolkit (nvcc and headers); none at {env['HOROVOD_CUDA_HOME']}. "
-                "Set CUDA_HOME, or build for the CPU with --cpu.")
+        env.setdefault("HOROVOD_CUDA_HOME", cuda_home())
     else:
         env["HVD_TRAIN_TORCH_CPU_ONLY"] = "1"
         env.pop("HOROVOD_GPU_OPERATIONS", None)
@@ -255,6 +264,8 @@ def main():
         print(cache_dir())
         return
 
+    if args.gpu:
+        check_gpu_toolchain()
     info = torch_info()
     key = build_key(info, args.gpu)
     log(f"torch {info['torch']} (CUDA {info['cuda']}), needs C++{info['cxx_standard']}; build key {key}")
