@@ -52,13 +52,26 @@ command -v g++ >/dev/null 2>&1 || command -v c++ >/dev/null 2>&1 \
 command -v make >/dev/null 2>&1 || die "no 'make': Horovod is compiled from source (Debian: apt-get install make)"
 echo "python: $("$PYTHON" --version 2>&1), compiler: $( (g++ --version || c++ --version) 2>/dev/null | head -n1), GPU build: $([ "$GPU" = 1 ] && echo yes || echo no)"
 
-step "Checking OpenMPI"
-# Horovod's MPI controller needs the MPI headers and wrappers at build time and mpirun at run time.
+step "Checking OpenMPI and ssh"
+# Horovod's MPI controller needs the MPI headers and wrappers at build time and mpirun at run time; ranks on other
+# hosts are started over ssh (sshd also serves the two-host test, tests/test_multihost.py).
+ssh_cmd="apt-get install -y --no-install-recommends openssh-client openssh-server"
+can_apt=0
+if [ "$APT" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then can_apt=1; fi
+if command -v ssh >/dev/null 2>&1 && [ -x /usr/sbin/sshd ]; then
+    echo "found ssh and sshd"
+elif [ "$can_apt" = 1 ]; then
+    echo "installing ssh: $ssh_cmd"
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $ssh_cmd
+else
+    echo "note: no ssh client or server: single-host runs work; multi-host runs need them (sudo $ssh_cmd)"
+fi
 if command -v mpirun >/dev/null 2>&1 && command -v mpicxx >/dev/null 2>&1; then
     echo "found $(mpirun --version 2>/dev/null | head -n1)"
 else
     apt_cmd="apt-get install -y --no-install-recommends openmpi-bin libopenmpi-dev"
-    if [ "$APT" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    if [ "$can_apt" = 1 ]; then
         echo "installing OpenMPI: $apt_cmd"
         apt-get update -q
         DEBIAN_FRONTEND=noninteractive $apt_cmd
