@@ -37,8 +37,3 @@ def sum_across_ranks(value, name):
     """A scalar summed over all ranks, as a Python number (one small allreduce and a host sync)."""
     tensor = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(1)
     return hvd.allreduce(tensor, op=hvd.Sum, name=name).item()
-
-
-def gather_object(obj, name=None):
-    """Every rank's `obj`, in rank order, on every rank."""
-    return hvd.allgather_object(obj, name=name)

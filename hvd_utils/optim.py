@@ -60,11 +60,6 @@ def broadcast_state(model, optimizer, root_rank=0):
     hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
 
 
-def broadcast_object(obj, root_rank=0, name=None):
-    """Any picklable object from root_rank to all ranks (counters, scheduler state, RNG states)."""
-    return hvd.broadcast_object(obj, root_rank=root_rank, name=name)
-
-
 def sync_batch_norm(model):
     """Horovod: replace every BatchNorm with hvd.SyncBatchNorm, whose statistics cover all ranks' samples."""
     for name, child in model.named_children():
