@@ -7,12 +7,13 @@ DEMO_DIR ?= runs/demo
 # The setup stamp is rebuilt when anything the installer reads changes.
 READY := $(VENV)/.hvd-train-ready
 
-.PHONY: setup demo test lint clean help
+.PHONY: setup demo test bench lint clean help
 
 help:
 	@echo "make setup   create .venv, install OpenMPI if missing, build Horovod against torch (cached)"
 	@echo "make demo    train the small CNN on the digits with $(NP) Horovod ranks, print the summary"
 	@echo "make test    run the whole test suite (real horovodrun and mpirun launches on the CPU)"
+	@echo "make bench   benchmark against bare PyTorch, torchrun DDP and raw allreduce; writes bench/results/<date>.{json,md}"
 	@echo "make lint    flake8"
 	@echo "make clean   remove .venv and runs/ (the cached Horovod wheel in ~/.cache/hvd-train stays)"
 
@@ -28,6 +29,9 @@ demo: setup
 
 test: setup lint
 	$(PY) -m pytest
+
+bench: setup
+	$(PY) bench/run.py
 
 lint: setup
 	$(PY) -m flake8

@@ -112,6 +112,8 @@ class HorovodConfig:
     sync_bn: bool = False           # batch-norm statistics computed over all ranks (hvd.SyncBatchNorm)
     elastic: bool = False           # elastic training under horovodrun --min-np/--max-np --host-discovery-script
     commit_every: int = 20          # elastic: steps between state commits (at most this many are redone on a reset)
+    fusion_threshold_mb: float = -1.0  # tensor fusion buffer, MB (0: no fusion; -1: 8 on CPUs, 128 on GPUs); README
+    cycle_time_ms: float = 0.0      # Horovod's cycle, ms (0: 10 on CPUs, 1 on GPUs); launcher flags win; README
 
     def __post_init__(self):
         _require(self.batches_per_allreduce >= 1, "horovod.batches_per_allreduce (--batches-per-allreduce)",
@@ -119,6 +121,10 @@ class HorovodConfig:
         _require(self.gradient_predivide_factor > 0, "horovod.gradient_predivide_factor",
                  self.gradient_predivide_factor, "must be positive")
         _require(self.commit_every >= 1, "horovod.commit_every", self.commit_every, "must be 1 or more steps")
+        _require(self.fusion_threshold_mb >= 0 or self.fusion_threshold_mb == -1, "horovod.fusion_threshold_mb",
+                 self.fusion_threshold_mb, "must be a buffer size in MB, 0 for no fusion, or -1 for the default")
+        _require(self.cycle_time_ms >= 0, "horovod.cycle_time_ms", self.cycle_time_ms,
+                 "must be a time in milliseconds, e.g. 10, or 0 for the default")
         _require(not (self.use_adasum and self.gradient_predivide_factor != 1.0), "horovod.use_adasum",
                  self.use_adasum, "cannot be combined with gradient_predivide_factor != 1")
 
@@ -155,10 +161,29 @@ class RunConfig:
     overwrite: bool = False          # start afresh in an output directory that holds a run, replacing its files
     device: str = "auto"             # auto (the GPU local_rank when CUDA sees one, else the CPU), cuda or cpu
     name: str = ""                   # name of this configuration in the summary (default: the recipe's file name)
+    stop_at: float = 0.0             # stop once an epoch reaches this (98: val top-1 98%; VAE: val loss <= it); 0: off
 
     def __post_init__(self):
         _require(bool(self.output_dir), "run.output_dir (--output-dir)", self.output_dir, "must name a directory")
+        _require(self.stop_at >= 0, "run.stop_at (--stop-at)", self.stop_at,
+                 "must be a target value of the best metric (e.g. 98 for 98% val top-1), or 0 for none")
         _choice("run.device (--device)", self.device, DEVICES)
+
+
+@dataclass
+class BenchmarkConfig:
+    enabled: bool = False          # time training steps on one synthetic in-memory batch instead of training
+    num_warmup_batches: int = 10   # untimed steps first: allocator, caches and Horovod's first negotiation settle
+    num_iters: int = 10            # timed iterations; images/s is reported as mean +- 1.96 std over them
+    num_batches_per_iter: int = 10  # training steps per timed iteration
+
+    def __post_init__(self):
+        _require(self.num_warmup_batches >= 0, "benchmark.num_warmup_batches (--num-warmup-batches)",
+                 self.num_warmup_batches, "must be 0 or more steps")
+        _require(self.num_iters >= 1, "benchmark.num_iters (--num-iters)", self.num_iters,
+                 "must be 1 or more timed iterations")
+        _require(self.num_batches_per_iter >= 1, "benchmark.num_batches_per_iter (--num-batches-per-iter)",
+                 self.num_batches_per_iter, "must be 1 or more steps")
 
 
 @dataclass
@@ -170,6 +195,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
 
     def __post_init__(self):
         _require(not self.run.evaluate or bool(self.checkpoint.resume), "run.evaluate (--evaluate)",
@@ -181,6 +207,13 @@ class Config:
         _require(not (self.horovod.use_adasum and self.optim.amp == "fp16"), "horovod.use_adasum (--use-adasum)",
                  self.horovod.use_adasum, "cannot be combined with --amp fp16: the gradient scaler needs averaged "
                  "gradients, which Adasum does not produce; use --amp bf16")
+
+        _require(not (self.benchmark.enabled and (self.run.evaluate or self.horovod.elastic)),
+                 "benchmark.enabled (--benchmark)", True, "times training steps on its own: leave out --evaluate "
+                 "and --elastic")
+
+        if self.benchmark.enabled and self.run.output_dir == RunConfig.output_dir:
+            self.run.output_dir = "runs/benchmark"  # beside a training run's default directory, not over it
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -217,6 +250,11 @@ ALIASES = {
     "sync-bn": "horovod.sync_bn",
     "elastic": "horovod.elastic",
     "resume": "checkpoint.resume",
+    "stop-at": "run.stop_at",
+    "benchmark": "benchmark.enabled",
+    "num-warmup-batches": "benchmark.num_warmup_batches",
+    "num-iters": "benchmark.num_iters",
+    "num-batches-per-iter": "benchmark.num_batches_per_iter",
 }
 CHOICES = {"optim.optimizer": OPTIMIZERS, "optim.lr_schedule": LR_SCHEDULES, "optim.amp": AMP_MODES,
            "run.device": DEVICES}

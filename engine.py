@@ -213,7 +213,8 @@ def fit(model, task, optimizer, scheduler, train_loader, val_loader, train_sampl
         progress_every=60.0, on_epoch_end=None):
     """Train epochs start_epoch..epochs, validating after each; returns the per-epoch history.
 
-    on_epoch_end(epoch, record) runs on every rank after each epoch (checkpoints, reports).
+    on_epoch_end(epoch, record) runs on every rank after each epoch (checkpoints, reports); when it returns true
+    (a --stop-at target reached: the same on every rank, as the record is reduced) training ends there.
     """
     history = []
     for epoch in range(start_epoch, epochs + 1):
@@ -225,15 +226,18 @@ def fit(model, task, optimizer, scheduler, train_loader, val_loader, train_sampl
                                      epochs=epochs, accumulate=accumulate, amp=amp, scaler=scaler,
                                      clip_grad=clip_grad, log_every=log_every, show_progress=show_progress,
                                      progress_every=progress_every)
-        record = close_epoch(model, task, train_sums, val_loader, device, amp, epoch, epochs, lr, start,
-                             on_epoch_end)
+        record, stop = close_epoch(model, task, train_sums, val_loader, device, amp, epoch, epochs, lr, start,
+                                   on_epoch_end)
         history.append(record)
+        if stop:
+            break
     return history
 
 
 def close_epoch(model, task, train_sums, val_loader, device, amp, epoch, epochs, lr, start, on_epoch_end):
     """After an epoch's steps, on every rank: reduce the training sums, agree on BatchNorm statistics, validate,
-    log one line, hand the record to on_epoch_end(epoch, record) (checkpoints, reports) and return it."""
+    log one line, hand the record to on_epoch_end(epoch, record) (checkpoints, reports); returns the record and
+    whether on_epoch_end asked to stop."""
     train = averages(reduce_sums(task, train_sums, name="train_sums"))
     epoch_seconds = time.perf_counter() - start
     hvd_utils.average_buffers(model)  # BatchNorm statistics agree before validation and checkpoints
@@ -243,9 +247,8 @@ def close_epoch(model, task, train_sums, val_loader, device, amp, epoch, epochs,
     record.update({f"train_{k}": v for k, v in train.items()})
     record.update({f"val_{k}": v for k, v in val.items()})
     log.info(format_record(record, epochs))
-    if on_epoch_end is not None:
-        on_epoch_end(epoch, record)
-    return record
+    stop = bool(on_epoch_end(epoch, record)) if on_epoch_end is not None else False
+    return record, stop
 
 
 class _EveryStep:
@@ -289,10 +292,10 @@ def fit_elastic(state, model, task, optimizer, train_loader, train_sampler, make
                                      scaler=scaler, clip_grad=clip_grad, log_every=log_every,
                                      show_progress=show_progress, progress_every=progress_every)
         # After a reset mid-epoch the training sums cover the steps since the reset; validation is always complete.
-        close_epoch(model, task, train_sums, val_loader, device, amp, epoch, optim_cfg.epochs, lr, start,
-                    on_epoch_end)
+        _, stop = close_epoch(model, task, train_sums, val_loader, device, amp, epoch, optim_cfg.epochs, lr, start,
+                              on_epoch_end)
         train_sampler.set_epoch(epoch + 1)  # Horovod's ElasticSampler: called at the end, it starts a new epoch
-        state.batch, state.epoch = 0, epoch + 1
+        state.batch, state.epoch = 0, (optim_cfg.epochs + 1 if stop else epoch + 1)
         state.commit()
 
 

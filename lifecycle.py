@@ -12,9 +12,9 @@ import hvd_utils
 from checkpoint import VERSION
 from config import ConfigError
 from data import DATASETS, build_datasets, download_fn
-from models import model_names
-from reporting import build_summary, write_json
-from tasks import improved
+from models import build_model, model_names
+from reporting import build_summary, seconds_since_start, write_json
+from tasks import improved, reached
 
 log = logging.getLogger("hvd_train")
 
@@ -49,6 +49,32 @@ def check_shards(num_train, world_size, batch_per_step):
                           f"samples; lower --batch-size or use fewer ranks")
 
 
+def build_model_on(cfg, info, device):
+    """The configured model for info's images, on `device` (with hvd.SyncBatchNorm layers under --sync-bn)."""
+    try:
+        model = build_model(cfg.model.name, info.in_channels, info.num_classes, info.image_size)
+    except ValueError as e:  # e.g. an image size the model cannot take: a setting to change, not a crash
+        raise ConfigError(str(e)) from None
+    if cfg.horovod.sync_bn:
+        model = hvd_utils.sync_batch_norm(model)
+    return model.to(device)
+
+
+def build_distributed_optimizer(cfg, model, world_size):
+    """(optimizer, lr scale, scaled lr): the configured optimizer at the scaled rate, wrapped by Horovod."""
+    lr_scale = hvd_utils.lr_scale(world_size, cfg.horovod.batches_per_allreduce, cfg.horovod.use_adasum)
+    lr = cfg.optim.lr * lr_scale
+    optimizer = engine.build_optimizer(model, cfg.optim, lr)
+    # One process that stays one (not elastic) has nothing to average: unwrapped, its steps skip a round trip
+    # through Horovod's background thread per step (bench/NOTES.md).
+    if world_size > 1 or cfg.horovod.elastic:
+        optimizer = hvd_utils.distributed_optimizer(
+            optimizer, model, batches_per_allreduce=cfg.horovod.batches_per_allreduce,
+            fp16_allreduce=cfg.horovod.fp16_allreduce, use_adasum=cfg.horovod.use_adasum,
+            gradient_predivide_factor=cfg.horovod.gradient_predivide_factor)
+    return optimizer, lr_scale, lr
+
+
 def prepare_data(cfg):
     if cfg.data.download and download_fn(cfg.data.dataset) is not None:
         # Horovod: one download per host, into the shared --data-dir; the other ranks on the host wait for it.
@@ -59,14 +85,21 @@ def prepare_data(cfg):
 
 def epoch_end_handler(cfg, task, model, optimizer, scheduler, scaler, state, fits, checkpointer, reporter,
                       world_size, steps_done):
-    """What happens after each epoch on every rank: history and best metric, reports, and the checkpoint."""
+    """What happens after each epoch on every rank: history and best metric, reports, and the checkpoint.
+    Returns true when the --stop-at target is reached, which ends training after this epoch."""
     def on_epoch_end(epoch, record):
+        record["wall_seconds"] = seconds_since_start()  # time to accuracy, counted from process start
         state["history"].append(record)
         better = improved(task, record[task.best_metric], state["best_metric"])
         if better:
             state["best_metric"], state["best_epoch"] = record[task.best_metric], epoch
+        stop = reached(task, record[task.best_metric], cfg.run.stop_at)
+        if stop:
+            state["stopped_at"] = epoch
+            log.info("--stop-at %g: %s reached %.4g at epoch %d; stopping", cfg.run.stop_at, task.best_metric,
+                     record[task.best_metric], epoch)
         reporter.epoch(record)
-        if epoch % cfg.checkpoint.every_epochs == 0 or epoch == cfg.optim.epochs:
+        if epoch % cfg.checkpoint.every_epochs == 0 or epoch == cfg.optim.epochs or stop:
             rng = hvd_utils.gather_rng_states()  # a collective: every rank, every checkpoint
             checkpointer.save({
                 "version": VERSION, "epoch": epoch, "step": steps_done(), "model": model.state_dict(),
@@ -75,6 +108,7 @@ def epoch_end_handler(cfg, task, model, optimizer, scheduler, scaler, state, fit
                 "scaler": scaler.state_dict() if scaler else None, "best_metric": state["best_metric"],
                 "best_epoch": state["best_epoch"], "history": state["history"], "config": cfg.to_dict(),
                 "world_size": world_size(), "rng": rng, **fits}, epoch, is_best=better)
+        return stop
     return on_epoch_end
 
 
@@ -82,8 +116,8 @@ def log_setup(cfg, rt, info, task, model, lr_scale, lr, resumed_epoch):
     """The batch and learning-rate arithmetic, and who is running where: the first thing to check in a log."""
     accumulate = cfg.horovod.batches_per_allreduce
     log.info("hvd-train %s: %d rank(s), %d per host, device %s, %d CPU thread(s) per rank, controller %s, "
-             "tensor ops %s", cfg.run.name or "default", rt.size, rt.local_size, rt.device, rt.threads,
-             rt.controller, rt.tensor_ops)
+             "tensor ops %s, fusion %g MB, cycle %g ms", cfg.run.name or "default", rt.size, rt.local_size,
+             rt.device, rt.threads, rt.controller, rt.tensor_ops, rt.fusion_threshold_mb, rt.cycle_time_ms)
     log.info("data %s: %d train / %d val samples of %dx%dx%d; model %s (%s, %.2fM parameters)", cfg.data.dataset,
              info.num_train, info.num_val, info.in_channels, info.image_size, info.image_size, cfg.model.name,
              task.name, sum(p.numel() for p in model.parameters()) / 1e6)

@@ -73,6 +73,20 @@ class Reporter:
             self.writer = None
 
 
+def seconds_since_start():
+    """Seconds since this process started (imports and Horovod start-up included): what a user waits for."""
+    return time.time() - psutil.Process().create_time()
+
+
+def read_json_or_none(path):
+    """The JSON object in `path`, or None where there is no such file or it is not valid JSON."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def write_json(path, obj):
     """Write via a temporary file and rename, so a reader never sees half a file."""
     tmp = f"{path}.tmp"
@@ -88,6 +102,7 @@ def build_summary(cfg, rt, task, state, lr, fingerprints):
     summary = {
         "config_name": cfg.run.name or "default", "world_size": rt.size, "local_size": rt.local_size,
         "device": str(rt.device), "controller": rt.controller, "tensor_ops": rt.tensor_ops,
+        "fusion_threshold_mb": rt.fusion_threshold_mb, "cycle_time_ms": rt.cycle_time_ms,
         "threads_per_rank": rt.threads, "dataset": cfg.data.dataset, "model": cfg.model.name, "task": task.name,
         "epochs": cfg.optim.epochs, "batch_size_per_rank": cfg.optim.batch_size,
         "global_batch_size": cfg.optim.batch_size * rt.size * cfg.horovod.batches_per_allreduce,
@@ -97,9 +112,11 @@ def build_summary(cfg, rt, task, state, lr, fingerprints):
         "final_val_loss": last["val_loss"],
         "train_samples_per_sec": sum(r["train_count"] for r in history) / sum(r["epoch_seconds"] for r in history),
         "params_in_sync": len(set(fingerprints)) == 1, "params_fingerprints": fingerprints,
-        # From the process's own start, imports and Horovod start-up included: what a user waits for.
-        "wall_seconds": time.time() - psutil.Process().create_time(), "history": history,
+        "wall_seconds": seconds_since_start(), "process_start_time": psutil.Process().create_time(),
+        "history": history,
     }
+    if "stopped_at" in state:  # --stop-at ended the run early
+        summary["stopped_at_epoch"] = state["stopped_at"]
     if "elastic" in state:
         summary["elastic"] = state["elastic"]
     if "val_acc1" in last:

@@ -56,6 +56,11 @@ def improved(task, value, best):
     return best is None or (value > best if task.best_mode == "max" else value < best)
 
 
+def reached(task, value, target):
+    """Whether `value` of the task's best_metric meets a --stop-at target (0: no target)."""
+    return target > 0 and (value >= target if task.best_mode == "max" else value <= target)
+
+
 def averages(totals):
     """Global sums -> per-sample means and accuracies in percent. With no samples, means are NaN and counts 0."""
     count = totals.get("count", 0.0)

@@ -9,6 +9,7 @@ Launch (every setting has a default, so each of these trains the small CNN on sc
     mpirun -np 8 -H host1:4,host2:4 -bind-to none -map-by slot -x PATH -x LD_LIBRARY_PATH python train_hvd.py
 
 Recipes and overrides: `python train_hvd.py --config configs/cifar10_resnet18.yaml --epochs 5 --amp bf16`.
+Images/s on synthetic data, like Horovod's pytorch_synthetic_benchmark.py: `--benchmark --model resnet50`.
 Continue a run: `--resume auto`; evaluate a checkpoint: `--evaluate --resume runs/x/checkpoints/best.pt`.
 All settings: `python train_hvd.py --help`. Rank 0 prints and writes everything in --output-dir.
 """
@@ -25,8 +26,10 @@ from checkpoint import Checkpointer, CheckpointError, claim_output_dir, resolve
 from config import ConfigError, parse_config
 from data import BadSampleError, DataError, build_loaders
 from elastic_training import train_elastic
-from lifecycle import check_choices, check_shards, epoch_end_handler, evaluate_only, finish, log_setup, prepare_data
-from models import build_model, model_task
+from benchmark import run_benchmark
+from lifecycle import (build_distributed_optimizer, build_model_on, check_choices, check_shards, epoch_end_handler,
+                       evaluate_only, finish, log_setup, prepare_data)
+from models import model_task
 from reporting import Reporter, write_json
 from tasks import TASKS
 
@@ -41,9 +44,12 @@ def setup_logging(is_main):
 def main(argv=None):
     cfg = parse_config(argv)
     check_choices(cfg)
-    rt = hvd_utils.init(cpu=cfg.run.device == "cpu")
+    rt = hvd_utils.init(cpu=cfg.run.device == "cpu", fusion_threshold_mb=cfg.horovod.fusion_threshold_mb,
+                        cycle_time_ms=cfg.horovod.cycle_time_ms)
     setup_logging(rt.is_main)
     torch.manual_seed(cfg.run.seed + rt.rank)  # different dropout per rank; the weights come from rank 0 below
+    if cfg.benchmark.enabled:
+        return run_benchmark(cfg, rt)
 
     train_set, val_set, info = prepare_data(cfg)
     accumulate = cfg.horovod.batches_per_allreduce
@@ -52,21 +58,9 @@ def main(argv=None):
         train_set, val_set, cfg.optim.batch_size * accumulate, rt.rank, rt.size, cfg.run.seed,
         workers=cfg.data.workers, pin_memory=rt.device.type == "cuda")
     task = TASKS[model_task(cfg.model.name)]
-    try:
-        model = build_model(cfg.model.name, info.in_channels, info.num_classes, info.image_size)
-    except ValueError as e:  # e.g. an image size the model cannot take: a setting to change, not a crash
-        raise ConfigError(str(e)) from None
-    if cfg.horovod.sync_bn:
-        model = hvd_utils.sync_batch_norm(model)
-    model.to(rt.device)
-
-    # Horovod: scale the learning rate with the global batch.
-    lr_scale = hvd_utils.lr_scale(rt.size, accumulate, cfg.horovod.use_adasum)
-    lr = cfg.optim.lr * lr_scale
-    optimizer = hvd_utils.distributed_optimizer(
-        engine.build_optimizer(model, cfg.optim, lr), model, batches_per_allreduce=accumulate,
-        fp16_allreduce=cfg.horovod.fp16_allreduce, use_adasum=cfg.horovod.use_adasum,
-        gradient_predivide_factor=cfg.horovod.gradient_predivide_factor)
+    model = build_model_on(cfg, info, rt.device)
+    # Horovod: the learning rate scaled with the global batch; gradients averaged across ranks by the optimizer.
+    optimizer, lr_scale, lr = build_distributed_optimizer(cfg, model, rt.size)
     scheduler = engine.make_scheduler(optimizer, cfg.optim, len(train_loader), lr_scale)
     scaler = torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None
 

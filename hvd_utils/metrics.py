@@ -36,4 +36,12 @@ def fingerprints_by_rank(model):
 def sum_across_ranks(value, name):
     """A scalar summed over all ranks, as a Python number (one small allreduce and a host sync)."""
     tensor = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(1)
+    if hvd.size() == 1:  # alone, skip the wait for Horovod's next cycle (up to cycle_time_ms, bench/NOTES.md)
+        return tensor.item()
     return hvd.allreduce(tensor, op=hvd.Sum, name=name).item()
+
+
+def gather_floats(values, name):
+    """Every rank's list of floats (all the same length), gathered on all ranks, in rank order."""
+    mine = torch.tensor([list(values)], dtype=torch.float64)
+    return hvd.allgather(mine, name=name).tolist()

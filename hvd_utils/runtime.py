@@ -20,16 +20,43 @@ class Runtime:
     threads: int       # intra-op CPU threads of this process
     controller: str    # "MPI" or "Gloo": which one Horovod coordinates with
     tensor_ops: str    # what performs the collectives: "NCCL", "MPI", "Gloo"
+    fusion_threshold_mb: float  # Horovod's tensor fusion buffer in effect
+    cycle_time_ms: float        # Horovod's cycle time in effect
 
     @property
     def is_main(self):
         return self.rank == 0
 
 
-def init(cpu=False):
-    """hvd.init(), then pin this rank to GPU local_rank, or share the CPU cores between the ranks of this host."""
+# Measured by `make bench` (bench/NOTES.md): on CPUs, Horovod's background thread polls its peers every cycle
+# and competes with training for the cores, so a 10 ms cycle trains faster than 1 ms; and an 8 MB fusion buffer
+# allreduces a ResNet-18's gradients faster than 128 MB. On GPUs the cores are free and NCCL wants large buffers,
+# so Horovod's own defaults stay.
+TUNING_DEFAULTS = {"cpu": {"fusion_threshold_mb": 8.0, "cycle_time_ms": 10.0},
+                   "cuda": {"fusion_threshold_mb": 128.0, "cycle_time_ms": 1.0}}
+
+
+def tuning_env(device_type, fusion_threshold_mb=-1.0, cycle_time_ms=0.0):
+    """Set Horovod's fusion threshold and cycle time for hvd.init() to read: the given values, or the defaults
+    for the device (-1 and 0 mean default); a value the launcher (horovodrun --fusion-threshold-mb,
+    --cycle-time-ms) or the user put in the environment wins. Returns what is in effect."""
+    defaults = TUNING_DEFAULTS[device_type]
+    fusion = defaults["fusion_threshold_mb"] if fusion_threshold_mb < 0 else fusion_threshold_mb
+    cycle = cycle_time_ms or defaults["cycle_time_ms"]
+    os.environ.setdefault("HOROVOD_FUSION_THRESHOLD", str(int(fusion * 1024 * 1024)))
+    os.environ.setdefault("HOROVOD_CYCLE_TIME", f"{cycle:g}")
+    return {"fusion_threshold_mb": int(os.environ["HOROVOD_FUSION_THRESHOLD"]) / 2**20,
+            "cycle_time_ms": float(os.environ["HOROVOD_CYCLE_TIME"])}
+
+
+def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0):
+    """hvd.init(), then pin this rank to GPU local_rank, or share the CPU cores between the ranks of this host.
+
+    fusion_threshold_mb and cycle_time_ms tune Horovod (see tuning_env)."""
+    use_gpu = torch.cuda.is_available() and not cpu
+    tuning = tuning_env("cuda" if use_gpu else "cpu", fusion_threshold_mb, cycle_time_ms)
     hvd.init()  # Horovod: start the controller (MPI under mpirun or horovodrun --mpi, Gloo under --gloo).
-    if torch.cuda.is_available() and not cpu:
+    if use_gpu:
         # Horovod: one GPU per process, chosen by the rank on this host.
         torch.cuda.set_device(hvd.local_rank())
         device, threads = torch.device("cuda", hvd.local_rank()), torch.get_num_threads()
@@ -43,7 +70,8 @@ def init(cpu=False):
         torch.set_num_threads(threads)
     return Runtime(
         rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size(),
-        device=device, threads=threads, controller=controller(), tensor_ops=tensor_ops(device))
+        device=device, threads=threads, controller=controller(), tensor_ops=tensor_ops(device),
+        fusion_threshold_mb=tuning["fusion_threshold_mb"], cycle_time_ms=tuning["cycle_time_ms"])
 
 
 def launcher_rank():

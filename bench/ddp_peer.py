@@ -1,0 +1,48 @@
+"""The peer: PyTorch DistributedDataParallel over Gloo, launched with torchrun, as one would write it by hand.
+
+Same model, per-rank batch, optimizer and threads per rank as `train_hvd.py --benchmark`; written to be fast, not to
+lose: gradients bucketed and allreduced during backward (DDP's default 25 MB buckets), buckets as views of the
+gradients (no copy), gradients set to None between steps, the batch in memory.
+
+    torchrun --standalone --nproc-per-node 2 bench/ddp_peer.py --model resnet18 --image-size 32 --batch-size 32
+"""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from common import fixed_batch, rate_summary, step_args, threads_for, timed_rates, write_result
+from models import build_model
+
+
+def main():
+    args = step_args(__doc__.splitlines()[0]).parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    threads = threads_for(args.threads, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)  # the same initial weights everywhere; DDP also broadcasts rank 0's at construction
+    model = DistributedDataParallel(build_model(args.model, args.channels, args.classes, args.image_size),
+                                    gradient_as_bucket_view=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * world, momentum=0.9)
+    images, labels = fixed_batch(torch, args, seed=rank)
+    model.train()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+
+    rates = timed_rates(step, args.batch_size, args.num_warmup_batches, args.num_iters, args.num_batches_per_iter)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rates)
+    if rank == 0:
+        write_result(args.out, {"peer": "torchrun_ddp_gloo", "model": args.model, "world_size": world,
+                                "threads_per_rank": threads, **rate_summary(gathered)})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

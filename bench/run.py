@@ -1,0 +1,361 @@
+"""`make bench`: hvd-train against bare PyTorch, itself on more ranks, torchrun DDP and raw allreduce, in one run.
+
+Every figure is a ratio of two things measured in this run on this machine, the two alternated (A B, B A, ...) over
+--repeats repeats, and reported as min / median / max; figures from different runs are never compared. Writes
+bench/results/<date>.json and .md and prints the table.
+
+    python bench/run.py                  # everything (about 15 minutes on 2 cores)
+    python bench/run.py --quick          # the same pipeline on tiny settings (a minute or two; used by the tests)
+    python bench/run.py --sections overhead,peer
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import ROOT, spread
+
+PY = sys.executable
+BIN = os.path.dirname(PY)
+SECTIONS = ("overhead", "scaling", "peer", "allreduce", "tuning", "accuracy")
+
+
+def job_env(**extra):
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}".rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")  # OpenMPI refuses root (containers, CI) unless told
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    for key in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "OMP_NUM_THREADS"):
+        env.pop(key, None)  # each measurement says what it wants
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run(cmd, env, timeout=900):
+    """Run a measurement; a failure stops the benchmark with the command and its output."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        sys.exit(f"bench: failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def horovodrun(np, controller):
+    return [os.path.join(BIN, "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", f"--{controller}", PY]
+
+
+def torchrun(np):
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(np)]
+
+
+class Bench:
+    def __init__(self, args, workdir):
+        self.args, self.workdir, self.count = args, workdir, 0
+        q = args.quick
+        # (warm-up steps, timed iterations, steps per iteration) for each kind of measurement
+        self.fast_steps = (2, 3, 3) if q else (10, 10, 10)   # small_cnn at 28 px: ~30 ms a step
+        self.slow_steps = (1, 2, 2) if q else (2, 5, 4)      # steps of 0.3-1 s
+
+    def out(self, name):
+        self.count += 1
+        return os.path.join(self.workdir, f"{self.count:03d}_{name}")
+
+    def step_flags(self, model, size, batch, steps):
+        warmup, iters, per_iter = steps
+        return ["--model", model, "--image-size", str(size), "--batch-size", str(batch),
+                "--num-warmup-batches", str(warmup), "--num-iters", str(iters), "--num-batches-per-iter", str(per_iter)]
+
+    def app(self, launcher, model, size, batch, steps, env, extra=()):
+        """images/s (total) of `train_hvd.py --benchmark` under `launcher` (a command prefix ending in python)."""
+        out = self.out("app")
+        run(launcher + ["train_hvd.py", "--benchmark", *self.step_flags(model, size, batch, steps),
+                        "--output-dir", out, "--logging.progress", "false", *extra], env)
+        with open(os.path.join(out, "summary.json")) as f:
+            return json.load(f)
+
+    def peer(self, launcher, script, model, size, batch, steps, env, extra=()):
+        out = self.out(os.path.basename(script)) + ".json"
+        run(launcher + [script, *self.step_flags(model, size, batch, steps), "--out", out, *extra], env)
+        with open(out) as f:
+            return json.load(f)
+
+    def alternate(self, a, b):
+        """Run a() and b() --repeats times, alternating which goes first; returns the two lists of images/s."""
+        xs, ys = [], []
+        for i in range(self.args.repeats):
+            if i % 2 == 0:
+                xs.append(a())
+                ys.append(b())
+            else:
+                ys.append(b())
+                xs.append(a())
+        return xs, ys
+
+
+def ratio_row(name, compared, goal, xs, ys, unit="img/s", fn=lambda x, y: x / y):
+    return {"figure": name, "compared": compared, "goal": goal, "ratio": spread([fn(x, y) for x, y in zip(xs, ys)]),
+            "a": spread(xs), "b": spread(ys), "unit": unit}
+
+
+def section_overhead(b):
+    """The app with one rank against the bare loop: same model, batch, 2 threads... the cost of what the app adds."""
+    rows = []
+    cases = [("small_cnn", 28, 32, b.fast_steps), ("resnet18", 32, 16, b.slow_steps)]
+    for model, size, batch, steps in (cases[:1] if b.args.quick else cases):
+        threads = os.cpu_count() or 1
+        env = job_env()
+        xs, ys = b.alternate(
+            lambda: b.app([PY], model, size, batch, steps, env)["img_per_sec_total"],
+            lambda: b.peer([PY], "bench/bare_loop.py", model, size, batch, steps, env,
+                           ["--threads", str(threads)])["img_per_sec_total"])
+        rows.append(ratio_row(f"overhead, {model} {size}px batch {batch}",
+                              f"app (1 rank) / bare PyTorch loop, {threads} threads", ">= 0.97", xs, ys))
+    return rows
+
+
+def section_scaling(b):
+    """2 ranks against 1 (one thread each) on a compute-bound model; and the machine's own ceiling: two independent
+    bare loops against one, no communication at all."""
+    model, size, batch = ("small_cnn", 28, 16) if b.args.quick else ("small_cnn", 64, 32)
+    steps, env = b.slow_steps, job_env(OMP_NUM_THREADS=1)
+    rows = []
+    controllers = ("gloo",) if b.args.quick else ("gloo", "mpi")
+    for controller in controllers:
+        xs, ys = b.alternate(
+            lambda: b.app(horovodrun(2, controller), model, size, batch, steps, env)["img_per_sec_total"],
+            lambda: b.app([PY], model, size, batch, steps, env)["img_per_sec_total"])
+        rows.append(ratio_row(f"scaling, {model} {size}px batch {batch}/rank",
+                              f"horovodrun -np 2 --{controller} / (2 x 1 rank), 1 thread per rank", ">= 0.90",
+                              xs, ys, fn=lambda x, y: x / (2 * y)))
+    if not b.args.quick:
+        def pair():
+            outs = [b.out("pair") + ".json" for _ in range(2)]
+            cmd = ["bench/bare_loop.py", *b.step_flags(model, size, batch, steps), "--threads", "1"]
+            procs = [subprocess.Popen([PY] + cmd + ["--out", o], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+                     for o in outs]
+            if any(p.wait() != 0 for p in procs):
+                sys.exit("bench: a bare loop of the pair failed")
+            return sum(json.load(open(o))["img_per_sec_total"] for o in outs)
+
+        xs, ys = b.alternate(pair, lambda: b.peer([PY], "bench/bare_loop.py", model, size, batch, steps, env,
+                                                  ["--threads", "1"])["img_per_sec_total"])
+        rows.append(ratio_row(f"ceiling, {model} {size}px batch {batch}/process",
+                              "2 independent bare loops / (2 x 1), no communication: the machine's limit", "-",
+                              xs, ys, fn=lambda x, y: x / (2 * y)))
+    return rows
+
+
+def section_peer(b):
+    """The app against torchrun + DDP (Gloo): same model, per-rank batch (so the same global batch) and threads."""
+    model, size, batch = ("small_cnn", 28, 16) if b.args.quick else ("resnet18", 32, 16)
+    steps, env = b.slow_steps, job_env()
+    xs, ys = b.alternate(
+        lambda: b.app(horovodrun(2, "gloo"), model, size, batch, steps, env)["img_per_sec_total"],
+        lambda: b.peer(torchrun(2), "bench/ddp_peer.py", model, size, batch, steps, env)["img_per_sec_total"])
+    return [ratio_row(f"peer, {model} {size}px batch {batch}/rank, 2 ranks",
+                      "app (horovodrun --gloo) / torchrun DDP (Gloo), 1 thread per rank", ">= 1.0", xs, ys)]
+
+
+def allreduce(b, launcher, backend, what, env, extra=()):
+    out = b.out(f"allreduce_{backend}") + ".json"
+    max_bytes = 64 << 10 if b.args.quick else 64 << 20
+    run(launcher + ["bench/allreduce.py", "--backend", backend, "--what", what, "--out", out,
+                    "--max-bytes", str(max_bytes), "--min-seconds", "0.05" if b.args.quick else "0.3", *extra], env)
+    with open(out) as f:
+        return json.load(f)
+
+
+def section_allreduce(b):
+    """Bus bandwidth by size for Horovod over MPI and Gloo (at Horovod's defaults and at the app's) and
+    torch.distributed Gloo; then one ResNet-18 step's gradients with the fusion threshold and cycle time varied."""
+    hvd_default = {"HOROVOD_FUSION_THRESHOLD": 128 << 20, "HOROVOD_CYCLE_TIME": 1}
+    app_default = {"HOROVOD_FUSION_THRESHOLD": 8 << 20, "HOROVOD_CYCLE_TIME": 10}
+    sweeps = []
+    for controller in ("mpi", "gloo"):
+        for label, tuning in (("horovod defaults: 128 MB, 1 ms", hvd_default), ("app defaults: 8 MB, 10 ms",
+                                                                                app_default)):
+            r = allreduce(b, horovodrun(2, controller), "horovod", "sweep", job_env(**tuning))
+            sweeps.append({"backend": f"horovod {controller}", "settings": label, "sweep": r["sweep"]})
+    r = allreduce(b, torchrun(2), "torch", "sweep", job_env())
+    sweeps.append({"backend": "torch.distributed gloo", "settings": "-", "sweep": r["sweep"]})
+
+    grid = []
+    fusions = (8, 128) if b.args.quick else (0, 8, 128)
+    cycles = (1, 10) if b.args.quick else (1, 5, 10)
+    for controller in ("mpi", "gloo"):
+        for fusion in fusions:
+            for cycle in cycles:
+                env = job_env(HOROVOD_FUSION_THRESHOLD=fusion << 20, HOROVOD_CYCLE_TIME=cycle)
+                g = allreduce(b, horovodrun(2, controller), "horovod", "grads", env)["grads"]
+                grid.append({"backend": f"horovod {controller}", "fusion_mb": fusion, "cycle_ms": cycle, **g})
+        env = job_env(HOROVOD_FUSION_THRESHOLD=8 << 20, HOROVOD_CYCLE_TIME=10)
+        g = allreduce(b, horovodrun(2, controller), "horovod", "grads", env, ["--fp16"])["grads"]
+        grid.append({"backend": f"horovod {controller}", "fusion_mb": 8, "cycle_ms": 10, **g})
+    g = allreduce(b, torchrun(2), "torch", "grads", job_env())["grads"]
+    grid.append({"backend": "torch.distributed gloo", "fusion_mb": None, "cycle_ms": None, **g})
+    return {"sweeps": sweeps, "grads": grid}
+
+
+def section_tuning(b):
+    """What the cycle time does to training, not just to an allreduce: 2 ranks on a small, fast model (where
+    Horovod's per-cycle polling costs the most), the app's 10 ms against Horovod's 1 ms, for both controllers;
+    and fp16 compression of the gradients against none."""
+    model, size, batch = "small_cnn", 28, 32
+    steps, env = b.fast_steps, job_env()
+    rows = []
+    for controller in ("gloo",) if b.args.quick else ("gloo", "mpi"):
+        xs, ys = b.alternate(
+            lambda: b.app(horovodrun(2, controller), model, size, batch, steps, env,
+                          ["--horovod.cycle_time_ms", "10"])["img_per_sec_total"],
+            lambda: b.app(horovodrun(2, controller), model, size, batch, steps, env,
+                          ["--horovod.cycle_time_ms", "1"])["img_per_sec_total"])
+        rows.append(ratio_row(f"cycle time, {model} {size}px batch {batch}/rank, 2 ranks",
+                              f"--{controller}: 10 ms / 1 ms", "> 1 keeps 10 ms", xs, ys))
+    if not b.args.quick:
+        model, size, batch = "resnet18", 32, 16
+        xs, ys = b.alternate(
+            lambda: b.app(horovodrun(2, "gloo"), model, size, batch, b.slow_steps, env,
+                          ["--fp16-allreduce"])["img_per_sec_total"],
+            lambda: b.app(horovodrun(2, "gloo"), model, size, batch, b.slow_steps, env)["img_per_sec_total"])
+        rows.append(ratio_row(f"fp16 allreduce, {model} {size}px batch {batch}/rank, 2 ranks",
+                              "--gloo: --fp16-allreduce / fp32", "> 1 would turn it on", xs, ys))
+    return rows
+
+
+def section_accuracy(b):
+    """Wall time for 2 ranks to reach 98% validation top-1 on the digits, from the launch of horovodrun."""
+    target = 90 if b.args.quick else 98
+    times, epochs = [], []
+    for _ in range(b.args.repeats):
+        out = b.out("accuracy")
+        start = time.time()
+        run(horovodrun(2, "gloo") + ["train_hvd.py", "--stop-at", str(target), "--output-dir", out,
+                                     "--logging.progress", "false", "--logging.plot", "false"], job_env())
+        with open(os.path.join(out, "summary.json")) as f:
+            summary = json.load(f)
+        hit = next((r for r in summary["history"] if r["val_acc1"] >= target), None)
+        if hit is None:
+            times.append(None)
+            continue
+        # The epoch's time since rank 0's process start, plus horovodrun's own start before it.
+        times.append(hit["wall_seconds"] + summary["process_start_time"] - start)
+        epochs.append(hit["epoch"])
+    return [{"figure": f"time to {target}% val top-1, digits, 2 ranks", "goal": "-", "unit": "s",
+             "compared": "seconds from `horovodrun -np 2 --gloo` to the epoch that reaches it",
+             "seconds": spread(times), "epochs": spread(epochs)}]
+
+
+def fmt(x, digits=3):
+    return "-" if x is None else f"{x:.{digits}g}"
+
+
+def markdown(results):
+    lines = [f"# hvd-train benchmark, {results['date']}", "",
+             f"{results['machine']['cpus']} CPUs ({results['machine']['processor']}), torch "
+             f"{results['machine']['torch']}, Horovod {results['machine']['horovod']}, Python "
+             f"{results['machine']['python']}; {results['repeats']} alternated repeats; `{results['command']}`.", "",
+             "| figure | compared | goal | min | median | max | A median | B median |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in results["rows"]:
+        if "ratio" in row:
+            r = row["ratio"]
+            lines.append(f"| {row['figure']} | {row['compared']} | {row['goal']} | {fmt(r['min'])} | "
+                         f"{fmt(r['median'])} | {fmt(r['max'])} | {fmt(row['a']['median'], 4)} {row['unit']} | "
+                         f"{fmt(row['b']['median'], 4)} {row['unit']} |")
+        else:
+            s = row["seconds"]
+            lines.append(f"| {row['figure']} | {row['compared']} (epoch {fmt(row['epochs']['median'])}) | "
+                         f"{row['goal']} | {fmt(s['min'])} s | {fmt(s['median'])} s | {fmt(s['max'])} s | | |")
+    comm = results.get("allreduce")
+    if comm:
+        sizes = [p["bytes"] for p in comm["sweeps"][0]["sweep"]]
+        lines += ["", "Allreduce bus bandwidth, GB/s (busbw = algbw x 2(n-1)/n, n = 2; one tensor at a time):", "",
+                  "| backend | settings | " + " | ".join(_size(s) for s in sizes) + " |",
+                  "| --- | --- | " + " | ".join("---" for _ in sizes) + " |"]
+        for s in comm["sweeps"]:
+            lines.append(f"| {s['backend']} | {s['settings']} | " +
+                         " | ".join(f"{p['busbw'] / 1e9:.2f}" for p in s["sweep"]) + " |")
+        g0 = comm["grads"][0]
+        lines += ["", f"One {g0['model']} step's gradients ({g0['tensors']} tensors, {g0['bytes'] / 2**20:.1f} MB), "
+                  "time per step's allreduce, queued at once:", "",
+                  "| backend | fusion threshold | cycle time | fp16 | ms | busbw GB/s |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for g in comm["grads"]:
+            fusion = "-" if g["fusion_mb"] is None else f"{g['fusion_mb']} MB"
+            cycle = "-" if g["cycle_ms"] is None else f"{g['cycle_ms']} ms"
+            lines.append(f"| {g['backend']} | {fusion} | {cycle} | {'yes' if g['fp16'] else 'no'} | "
+                         f"{g['seconds'] * 1e3:.1f} | {g['busbw'] / 1e9:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _size(nbytes):
+    return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
+
+
+def result_path(directory, date):
+    """bench/results/<date>.json, or <date>-2.json, ... : an earlier result is never replaced."""
+    stem, n = os.path.join(directory, date), 2
+    path = stem
+    while os.path.exists(path + ".json"):
+        path, n = f"{stem}-{n}", n + 1
+    return path
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3, help="alternated repeats of each comparison")
+    p.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not the speed")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from: {', '.join(SECTIONS)}")
+    p.add_argument("--results-dir", default=os.path.join(ROOT, "bench", "results"))
+    args = p.parse_args()
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown or args.repeats < 1:
+        p.error(f"--sections: unknown {', '.join(unknown)}; choose from {', '.join(SECTIONS)}" if unknown
+                else "--repeats must be 1 or more")
+    import torch
+    import horovod
+
+    date = datetime.date.today().isoformat()
+    results = {"date": date, "repeats": args.repeats, "quick": args.quick, "sections": sections,
+               "command": " ".join(["python bench/run.py"] + sys.argv[1:]),
+               "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                           "python": platform.python_version(), "torch": torch.__version__,
+                           "horovod": horovod.__version__},
+               "rows": []}
+    workdir = tempfile.mkdtemp(prefix="hvd-bench-")
+    started = time.time()
+    try:
+        b = Bench(args, workdir)
+        for name in sections:
+            t0 = time.time()
+            print(f"bench: {name} ...", flush=True)
+            out = globals()[f"section_{name}"](b)
+            if name == "allreduce":
+                results["allreduce"] = out
+            else:
+                results["rows"] += out
+            print(f"bench: {name} done in {time.time() - t0:.0f}s", flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    results["seconds"] = time.time() - started
+    os.makedirs(args.results_dir, exist_ok=True)
+    path = result_path(args.results_dir, date)
+    table = markdown(results)
+    with open(path + ".json", "w") as f:
+        json.dump(results, f, indent=2, sort_keys=True)
+    with open(path + ".md", "w") as f:
+        f.write(table)
+    print(table)
+    print(f"bench: wrote {path}.json and {path}.md in {results['seconds']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
