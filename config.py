@@ -326,7 +326,7 @@ def build_parser():
         default = ",".join(map(str, f.default)) if f.type is tuple else f.default
         groups[section].add_argument(
             *flags, dest=dest, type=_PARSERS[f.type], default=argparse.SUPPRESS, metavar=metavar,
-            help=f"{comments[section].get(f.name, '')} (default: {default!r})", **extra)
+            help=f"{comments[section].get(f.name, '')} (default: {default!r})".replace("%", "%%"), **extra)
     return parser
 
 

@@ -123,10 +123,10 @@ def train_step(model, task, optimizer, images, labels, *, accumulate=1, amp="off
         with autocast(images.device, amp):
             loss, outputs = task.losses(model, chunk_images, chunk_labels)
         # Weight each chunk by its share of the batch: the gradient is the batch mean, however it was split.
-        weighted = loss * (chunk_labels.shape[0] / n)
+        weighted = loss * (chunk_labels.shape[0] / n) if accumulate > 1 else loss
         (scaler.scale(weighted) if scaler is not None else weighted).backward()
         for key, value in task.sums(loss, outputs, chunk_labels).items():
-            sums[key] = sums.get(key, 0) + value
+            sums[key] = sums[key] + value if key in sums else value
 
     def before_step():
         if scaler is not None:
@@ -142,9 +142,12 @@ def train_step(model, task, optimizer, images, labels, *, accumulate=1, amp="off
 
 
 def _add(total, sums, device):
+    """total += sums, per key, in float64 on the device: allocated at the first step, added in place after."""
     for key, value in sums.items():
-        value = torch.as_tensor(value, device=device, dtype=torch.float64)
-        total[key] = total[key] + value if key in total else value
+        if key in total:
+            total[key].add_(value)
+        else:
+            total[key] = torch.as_tensor(value, device=device, dtype=torch.float64).clone()
 
 
 def train_one_epoch(model, task, loader, optimizer, scheduler, device, *, epoch=1, epochs=1, accumulate=1,
@@ -155,7 +158,7 @@ def train_one_epoch(model, task, loader, optimizer, scheduler, device, *, epoch=
     steps and at the end, with one tiny allreduce).
     """
     model.train()
-    total, bad = {}, torch.zeros((), device=device)
+    total = {}
     # On a terminal the bar redraws in place. In a log (horovodrun and mpirun pipe the output) every redraw is a
     # new line, so there it appears only for epochs longer than progress_every seconds, and updates that often.
     quiet = 0.0 if sys.stderr.isatty() else progress_every
@@ -167,12 +170,12 @@ def train_one_epoch(model, task, loader, optimizer, scheduler, device, *, epoch=
         sums = train_step(model, task, optimizer, images, labels, accumulate=accumulate, amp=amp, scaler=scaler,
                           clip_grad=clip_grad)
         scheduler.step()
-        bad += ~torch.isfinite(sums["loss_sum"])
         _add(total, sums, device)
         bar.update(1)
         if step % log_every == 0 or step == len(loader):
-            # The one host sync every log_every steps: all ranks learn whether any loss went non-finite.
-            if hvd_utils.sum_across_ranks(bad, name="nonfinite") > 0:
+            # The one host sync every log_every steps: all ranks learn whether any loss went non-finite. A NaN or
+            # infinite loss leaves the running loss sum non-finite for good, so checking the sum covers every step.
+            if hvd_utils.sum_across_ranks(~torch.isfinite(total["loss_sum"]), name="nonfinite") > 0:
                 bar.close()
                 raise NonFiniteLossError(f"the loss became NaN or infinite at epoch {epoch}, step {step} on at "
                                          f"least one rank; lower --lr, use --clip-grad, or check the data")

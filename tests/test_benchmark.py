@@ -1,0 +1,150 @@
+"""Benchmark mode, --stop-at, Horovod's tuning defaults and the bench/ suite: real runs on the CPU."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import BIN, ROOT, job_env, launch, read_json
+
+TRAIN = ROOT / "train_hvd.py"
+QUIET = ["--logging.progress=false", "--logging.tensorboard=false", "--logging.plot=false"]
+TINY = ["--model", "small_cnn", "--image-size", "12", "--batch-size", "8", "--num-warmup-batches", "2",
+        "--num-iters", "3", "--num-batches-per-iter", "2"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+def test_benchmark_mode_reports_images_per_second_per_rank_and_in_total(tmp_path, launcher):
+    proc = launch(launcher, 2, TRAIN, "--benchmark", *TINY, "--output-dir", tmp_path, *QUIET)
+    s = read_json(tmp_path / "summary.json")
+    assert s["mode"] == "benchmark" and s["world_size"] == 2 and s["image_size"] == 12
+    by_rank = s["img_per_sec_by_rank"]
+    assert len(by_rank) == 2 and all(len(r) == 3 and min(r) > 0 for r in by_rank)  # every rank's iterations
+    flat = torch.tensor(by_rank).flatten()
+    assert s["img_per_sec_per_rank"] == pytest.approx(flat.mean().item())
+    assert s["img_per_sec_per_rank_ci95"] == pytest.approx(1.96 * flat.std(unbiased=False).item())
+    assert s["img_per_sec_total"] == pytest.approx(sum(sum(r) / len(r) for r in by_rank))
+    assert "img/sec per rank:" in proc.stdout and "total img/sec on 2 rank(s):" in proc.stdout
+    assert not (tmp_path / "checkpoints").exists()  # times steps, trains nothing worth keeping
+
+
+def test_benchmark_defaults_to_imagenet_sized_images_for_torchvision_models(tmp_path):
+    launch("single", 1, TRAIN, "--benchmark", "--model", "mobilenet_v3_small", "--batch-size", "2",
+           "--num-warmup-batches", "0", "--num-iters", "1", "--num-batches-per-iter", "1", "--output-dir", tmp_path,
+           *QUIET)
+    s = read_json(tmp_path / "summary.json")
+    assert s["image_size"] == 224 and s["img_per_sec_total"] > 0
+
+
+def test_benchmark_never_replaces_a_training_run(tmp_path):
+    launch("single", 1, TRAIN, "--epochs", "1", "--output-dir", tmp_path, *QUIET)
+    before = (tmp_path / "summary.json").read_bytes()
+    proc = launch("single", 1, TRAIN, "--benchmark", *TINY, "--output-dir", tmp_path, check=False)
+    assert proc.returncode == 2 and "holds a training run" in proc.stderr and "--overwrite" in proc.stderr
+    assert (tmp_path / "summary.json").read_bytes() == before
+    # An earlier benchmark's figures may be replaced by a new benchmark.
+    launch("single", 1, TRAIN, "--benchmark", *TINY, "--output-dir", tmp_path / "b", *QUIET)
+    launch("single", 1, TRAIN, "--benchmark", *TINY, "--output-dir", tmp_path / "b", *QUIET)
+
+
+@pytest.mark.distributed
+def test_stop_at_ends_training_at_the_first_epoch_that_reaches_the_target(tmp_path):
+    launch("horovodrun-gloo", 2, TRAIN, "--epochs", "10", "--stop-at", "90", "--output-dir", tmp_path, *QUIET)
+    s = read_json(tmp_path / "summary.json")
+    accs = [r["val_acc1"] for r in s["history"]]
+    assert s["stopped_at_epoch"] == len(accs) < 10
+    assert accs[-1] >= 90 and all(a < 90 for a in accs[:-1])
+    assert torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["epoch"] == len(accs)
+    assert all(r["wall_seconds"] > 0 for r in s["history"])
+
+
+def test_tuning_defaults_follow_the_device_and_the_launcher_wins():
+    code = ("import json, os, hvd_utils.runtime as r; "
+            "print(json.dumps([r.tuning_env('cpu'), r.tuning_env('cpu', 4, 2.5)]))")
+    env = job_env()
+    for key in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    first, second = json.loads(out.stdout)
+    assert first == {"fusion_threshold_mb": 8.0, "cycle_time_ms": 10.0}
+    assert second == first  # set once (as horovodrun would): later defaults do not override it
+    env.update(HOROVOD_FUSION_THRESHOLD=str(64 << 20), HOROVOD_CYCLE_TIME="3")
+    code = "import json, hvd_utils.runtime as r; print(json.dumps(r.tuning_env('cuda', -1, 0)))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == {"fusion_threshold_mb": 64.0, "cycle_time_ms": 3.0}
+
+
+@pytest.mark.distributed
+def test_app_logs_the_tuning_in_effect_and_horovodrun_flags_override_it(tmp_path):
+    proc = launch("horovodrun-gloo", 2, TRAIN, "--epochs", "1", "--output-dir", tmp_path / "a", *QUIET)
+    assert "fusion 8 MB, cycle 10 ms" in proc.stdout
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", "--cycle-time-ms", "2",
+           "--fusion-threshold-mb", "16", sys.executable, str(TRAIN), "--epochs", "1", "--output-dir",
+           str(tmp_path / "b"), *QUIET]
+    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    s = read_json(tmp_path / "b" / "summary.json")
+    assert (s["fusion_threshold_mb"], s["cycle_time_ms"]) == (16.0, 2.0)
+
+
+@pytest.mark.distributed
+def test_fused_and_fp16_allreduce_average_across_ranks(tmp_path, worker):
+    launch("horovodrun-mpi", 2, worker("allreduce_average.py"), tmp_path / "out.json")
+    got = read_json(tmp_path / "out.json")
+    shapes = [(3,), (4, 5), (1000,), (2, 3, 3)]
+    for i, s in enumerate(shapes):
+        base = torch.arange(torch.Size(s).numel()) * 0.5
+        expected = base + 1.5  # the mean of rank 0's (+1) and rank 1's (+2)
+        assert torch.allclose(torch.tensor(got["fused"][i]), expected)
+        assert torch.allclose(torch.tensor(got["fp16"][i]), expected, rtol=1e-3, atol=0.5)  # fp16 steps at 500
+    assert got["dtypes"] == ["torch.float32"] * 4  # decompressed back
+
+
+@pytest.mark.distributed
+def test_allreduce_benchmark_reports_busbw_for_horovod_and_torch(tmp_path):
+    env = job_env()
+    args = ["--what", "both", "--max-bytes", str(16 << 10), "--min-seconds", "0.02", "--min-iters", "2",
+            "--model", "small_cnn"]
+    hvd_cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+               "bench/allreduce.py", "--backend", "horovod", "--out", str(tmp_path / "h.json"), *args]
+    torch_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 "bench/allreduce.py", "--backend", "torch", "--out", str(tmp_path / "t.json"), *args]
+    for cmd in (hvd_cmd, torch_cmd):
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    for name, backend in (("h.json", "horovod_gloo"), ("t.json", "torch_gloo")):
+        r = read_json(tmp_path / name)
+        assert r["backend"] == backend and r["world_size"] == 2
+        assert [p["bytes"] for p in r["sweep"]] == [4096, 16384]
+        for p in r["sweep"]:
+            assert p["busbw"] == pytest.approx(p["bytes"] / p["seconds"])  # 2(n-1)/n = 1 for n = 2
+        assert r["grads"]["tensors"] == 8 and r["grads"]["seconds"] > 0
+
+
+@pytest.mark.distributed
+def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path):
+    cmd = [sys.executable, "bench/run.py", "--quick", "--repeats", "1", "--sections", "overhead,peer,accuracy",
+           "--results-dir", str(tmp_path)]
+    for _ in range(2):
+        proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 4 and sum(f.endswith("-2.json") for f in files) == 1
+    result = read_json(tmp_path / next(f for f in files if f.endswith(".json") and "-2" not in f))
+    figures = {r["figure"].split(",")[0]: r for r in result["rows"]}
+    assert set(figures) == {"overhead", "peer", "time to 90% val top-1"}
+    for name in ("overhead", "peer"):
+        ratio = figures[name]["ratio"]
+        assert ratio["n"] == 1 and ratio["min"] == ratio["median"] == ratio["max"] > 0
+        assert ratio["median"] == pytest.approx(figures[name]["a"]["median"] / figures[name]["b"]["median"])
+    assert figures["time to 90% val top-1"]["seconds"]["median"] > 0
+    assert "| overhead, small_cnn" in proc.stdout and "| peer, small_cnn" in proc.stdout
+
+
+def test_bench_refuses_unknown_sections():
+    proc = subprocess.run([sys.executable, "bench/run.py", "--sections", "overhead,speed"], cwd=ROOT,
+                          env=job_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown speed" in proc.stderr
