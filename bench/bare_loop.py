@@ -6,9 +6,8 @@ memory, so only forward, backward and the optimizer step are timed.
     python bench/bare_loop.py --model resnet18 --image-size 32 --batch-size 32 --threads 2
 """
 import torch
-import torch.nn.functional as F
 
-from common import fixed_batch, rate_summary, step_args, threads_for, timed_rates, write_result
+from common import fixed_batch, rate_summary, sgd_step, step_args, threads_for, timed_rates, write_result
 from models import build_model
 
 
@@ -19,14 +18,7 @@ def main():
     torch.manual_seed(0)
     model = build_model(args.model, args.channels, args.classes, args.image_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    images, labels = fixed_batch(torch, args)
-    model.train()
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(images), labels).backward()
-        optimizer.step()
-
+    step = sgd_step(model, optimizer, *fixed_batch(torch, args))
     rates = timed_rates(step, args.batch_size, args.num_warmup_batches, args.num_iters, args.num_batches_per_iter)
     write_result(args.out, {"peer": "bare_loop", "model": args.model, "world_size": 1, "threads_per_rank": threads,
                             **rate_summary([rates])})

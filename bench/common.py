@@ -45,6 +45,19 @@ def fixed_batch(torch, args, seed=0):
     return images, labels
 
 
+def sgd_step(model, optimizer, images, labels):
+    """The plain training step both peers time: forward, cross-entropy, backward, optimizer step."""
+    import torch.nn.functional as F
+
+    model.train()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+    return step
+
+
 def timed_rates(step, samples_per_step, warmup, iters, steps_per_iter):
     """Samples/s of each timed iteration of `steps_per_iter` calls to step(), after `warmup` untimed calls."""
     for _ in range(warmup):

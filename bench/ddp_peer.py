@@ -10,10 +10,9 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from common import fixed_batch, rate_summary, step_args, threads_for, timed_rates, write_result
+from common import fixed_batch, rate_summary, sgd_step, step_args, threads_for, timed_rates, write_result
 from models import build_model
 
 
@@ -27,14 +26,7 @@ def main():
     model = DistributedDataParallel(build_model(args.model, args.channels, args.classes, args.image_size),
                                     gradient_as_bucket_view=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * world, momentum=0.9)
-    images, labels = fixed_batch(torch, args, seed=rank)
-    model.train()
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(images), labels).backward()
-        optimizer.step()
-
+    step = sgd_step(model, optimizer, *fixed_batch(torch, args, seed=rank))
     rates = timed_rates(step, args.batch_size, args.num_warmup_batches, args.num_iters, args.num_batches_per_iter)
     gathered = [None] * world
     dist.all_gather_object(gathered, rates)

@@ -62,14 +62,15 @@ def test_stop_at_ends_training_at_the_first_epoch_that_reaches_the_target(tmp_pa
 
 
 def test_tuning_defaults_follow_the_device_and_the_launcher_wins():
-    code = ("import json, os, hvd_utils.runtime as r; "
-            "print(json.dumps([r.tuning_env('cpu'), r.tuning_env('cpu', 4, 2.5)]))")
+    code = ("import json, os, hvd_utils.runtime as r; print(json.dumps([r.tuning_env('cpu'), "
+            "r.tuning_env('cpu', 4, 2.5), os.environ['OMPI_MCA_mpi_yield_when_idle']]))")
     env = job_env()
-    for key in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"):
+    for key in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "OMPI_MCA_mpi_yield_when_idle"):
         env.pop(key, None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    first, second = json.loads(out.stdout)
-    assert first == {"fusion_threshold_mb": 8.0, "cycle_time_ms": 10.0}
+    first, second, yield_when_idle = json.loads(out.stdout)
+    assert yield_when_idle == "1"  # OpenMPI yields the core while it waits
+    assert first == {"fusion_threshold_mb": 8.0, "cycle_time_ms": 1.0}
     assert second == first  # set once (as horovodrun would): later defaults do not override it
     env.update(HOROVOD_FUSION_THRESHOLD=str(64 << 20), HOROVOD_CYCLE_TIME="3")
     code = "import json, hvd_utils.runtime as r; print(json.dumps(r.tuning_env('cuda', -1, 0)))"
@@ -80,7 +81,7 @@ def test_tuning_defaults_follow_the_device_and_the_launcher_wins():
 @pytest.mark.distributed
 def test_app_logs_the_tuning_in_effect_and_horovodrun_flags_override_it(tmp_path):
     proc = launch("horovodrun-gloo", 2, TRAIN, "--epochs", "1", "--output-dir", tmp_path / "a", *QUIET)
-    assert "fusion 8 MB, cycle 10 ms" in proc.stdout
+    assert "fusion 8 MB, cycle 1 ms" in proc.stdout
     cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", "--cycle-time-ms", "2",
            "--fusion-threshold-mb", "16", sys.executable, str(TRAIN), "--epochs", "1", "--output-dir",
            str(tmp_path / "b"), *QUIET]
@@ -133,7 +134,7 @@ def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     files = sorted(os.listdir(tmp_path))
     assert len(files) == 4 and sum(f.endswith("-2.json") for f in files) == 1
-    result = read_json(tmp_path / next(f for f in files if f.endswith(".json") and "-2" not in f))
+    result = read_json(tmp_path / next(f for f in files if f.endswith(".json") and not f.endswith("-2.json")))
     figures = {r["figure"].split(",")[0]: r for r in result["rows"]}
     assert set(figures) == {"overhead", "peer", "time to 90% val top-1"}
     for name in ("overhead", "peer"):
