@@ -45,7 +45,7 @@ def main(argv=None):
     cfg = parse_config(argv)
     check_choices(cfg)
     rt = hvd_utils.init(cpu=cfg.run.device == "cpu", fusion_threshold_mb=cfg.horovod.fusion_threshold_mb,
-                        cycle_time_ms=cfg.horovod.cycle_time_ms)
+                        cycle_time_ms=cfg.horovod.cycle_time_ms, tune=not cfg.horovod.elastic)
     setup_logging(rt.is_main)
     torch.manual_seed(cfg.run.seed + rt.rank)  # different dropout per rank; the weights come from rank 0 below
     if cfg.benchmark.enabled:

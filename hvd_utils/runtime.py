@@ -53,12 +53,18 @@ def tuning_env(device_type, fusion_threshold_mb=-1.0, cycle_time_ms=0.0):
             "cycle_time_ms": float(os.environ["HOROVOD_CYCLE_TIME"])}
 
 
-def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0):
+def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, tune=True):
     """hvd.init(), then pin this rank to GPU local_rank, or share the CPU cores between the ranks of this host.
 
-    fusion_threshold_mb and cycle_time_ms tune Horovod (see tuning_env)."""
+    fusion_threshold_mb and cycle_time_ms tune Horovod (see tuning_env). tune=False leaves Horovod's own settings:
+    elastic runs need that (with the tuning variables set in the workers, a survivor of a killed peer crashed in
+    Gloo instead of resetting, every time, in tests/test_elastic.py)."""
     use_gpu = torch.cuda.is_available() and not cpu
-    tuning = tuning_env("cuda" if use_gpu else "cpu", fusion_threshold_mb, cycle_time_ms)
+    if tune:
+        tuning = tuning_env("cuda" if use_gpu else "cpu", fusion_threshold_mb, cycle_time_ms)
+    else:
+        tuning = {"fusion_threshold_mb": int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 128 << 20)) / 2**20,
+                  "cycle_time_ms": float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0))}
     hvd.init()  # Horovod: start the controller (MPI under mpirun or horovodrun --mpi, Gloo under --gloo).
     if use_gpu:
         # Horovod: one GPU per process, chosen by the rank on this host.
