@@ -4,7 +4,7 @@ Every figure is a ratio of two things measured in this run on this machine, the 
 --repeats repeats, and reported as min / median / max; figures from different runs are never compared. Writes
 bench/results/<date>.json and .md and prints the table.
 
-    python bench/run.py                  # everything (about 15 minutes on 2 cores)
+    python bench/run.py                  # everything (about 25 minutes on 2 cores)
     python bench/run.py --quick          # the same pipeline on tiny settings (a minute or two; used by the tests)
     python bench/run.py --sections overhead,peer
 """
