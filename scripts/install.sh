@@ -12,7 +12,8 @@
 # Every step is skipped when already done, so running it again takes seconds.
 #
 # Environment: HVD_GPU=1|0 (same as --gpu/--cpu; default: NCCL when nvidia-smi sees a GPU), HVD_VENV, PYTHON,
-# HVD_CACHE_DIR (where built Horovod wheels are kept; default ~/.cache/hvd-train).
+# HVD_CACHE_DIR (where built Horovod wheels are kept; default ~/.cache/hvd-train), TMPDIR (where pip unpacks),
+# HVD_INSTALL_NEEDS_GB (free disk the first install asks for: the venv plus pip's downloads; default 10).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,7 +31,7 @@ while [ $# -gt 0 ]; do
         --cpu) GPU=0 ;;
         --venv) [ $# -ge 2 ] || die "--venv needs a directory"; VENV=$2; shift ;;
         --no-apt) APT=0 ;;
-        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option '$1' (try --help)" ;;
     esac
     shift
@@ -82,6 +83,36 @@ else
     fi
 fi
 
+reqs_stamp="$VENV/.requirements.sha256"
+reqs_want=$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)
+reqs_done=0
+if [ -f "$reqs_stamp" ] && [ "$(cat "$reqs_stamp")" = "$reqs_want" ]; then reqs_done=1; fi
+
+if [ "$reqs_done" = 0 ]; then
+    step "Checking disk space"
+    # torch's PyPI wheel brings its CUDA libraries: the venv takes about 6 GiB and pip unpacks about 3 GiB more in
+    # TMPDIR on the way. Running out half-way leaves a broken venv and a pip error far from the cause.
+    need=${HVD_INSTALL_NEEDS_GB:-10}
+    [[ "$need" =~ ^[0-9]+$ ]] || die "HVD_INSTALL_NEEDS_GB must be a whole number of GiB, not '$need'"
+    where=$VENV
+    while [ ! -d "$where" ]; do where=$(dirname "$where"); done
+    tmp=${TMPDIR:-/tmp}
+    free_gib() { df -Pk "$1" | awk 'NR == 2 { printf "%d", $4 / 1048576 }'; }
+    if [ "$(stat -c %d "$where")" = "$(stat -c %d "$tmp")" ]; then
+        free=$(free_gib "$where")
+        [ "$free" -ge "$need" ] || die "not enough disk space: installing needs about $need GiB on the disk of $where and $tmp, and $free GiB are free.
+Free some space there, or put the environment on a larger disk: scripts/install.sh --venv /big/disk/venv (with TMPDIR=/big/disk/tmp for pip's downloads)."
+        echo "$free GiB free (about $need GiB needed)"
+    else
+        free=$(free_gib "$where"); tmp_free=$(free_gib "$tmp"); tmp_need=$(( need * 3 / 10 ))
+        [ "$free" -ge $(( need - tmp_need )) ] || die "not enough disk space for the environment: it needs about $(( need - tmp_need )) GiB in $where, and $free GiB are free.
+Free some space there, or put it on a larger disk: scripts/install.sh --venv /big/disk/venv"
+        [ "$tmp_free" -ge "$tmp_need" ] || die "not enough disk space for pip's downloads: they need about $tmp_need GiB in $tmp, and $tmp_free GiB are free.
+Free some space there, or point TMPDIR at a larger disk: TMPDIR=/big/disk/tmp scripts/install.sh"
+        echo "$free GiB free in $where, $tmp_free GiB in $tmp (about $need GiB needed in all)"
+    fi
+fi
+
 step "Creating the virtual environment in $VENV"
 if [ -x "$VENV/bin/python" ]; then
     echo "exists"
@@ -93,15 +124,13 @@ VPY="$VENV/bin/python"
 export PATH="$VENV/bin:$PATH"
 
 step "Installing pinned requirements (requirements.txt)"
-stamp="$VENV/.requirements.sha256"
-want=$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+if [ "$reqs_done" = 1 ]; then
     echo "up to date"
 else
     "$VPY" -m pip install -q --upgrade pip
     # torch is pinned to the PyPI build; a local find-links folder with another build would not match the pin.
     "$VPY" -m pip install -r "$ROOT/requirements.txt" || die "pip could not install requirements.txt (see the pip error above)"
-    echo "$want" >"$stamp"
+    echo "$reqs_want" >"$reqs_stamp"
 fi
 
 step "Building and installing Horovod"

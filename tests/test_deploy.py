@@ -62,6 +62,20 @@ def test_the_cpu_image_installer_step_is_run_by_the_tests(tmp_path):
     assert "[X] PyTorch" in proc.stdout and "[X] MPI" in proc.stdout and "[X] Gloo" in proc.stdout
 
 
+def test_the_installer_stops_before_the_venv_when_the_disk_is_short(tmp_path):
+    # A first install needs about 10 GiB (torch's wheel brings its CUDA libraries); running out half-way in pip
+    # left a broken venv and a pip error far from the cause. Asking for more than any disk has stands in for a
+    # full disk here.
+    env = job_env()
+    env["HVD_INSTALL_NEEDS_GB"] = "1000000"
+    venv = tmp_path / "venv"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "install.sh"), "--venv", str(venv), "--no-apt"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "not enough disk space" in proc.stderr and "1000000 GiB" in proc.stderr and "--venv" in proc.stderr
+    assert not venv.exists(), "nothing may be created before the check"
+
+
 def test_the_gpu_image_installer_flags_are_the_installers_own():
     [flags] = installer_calls(ROOT / "docker" / "Dockerfile.gpu")
     usage = subprocess.run(["bash", str(ROOT / "scripts" / "install.sh"), "--help"], capture_output=True, text=True,
