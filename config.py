@@ -113,7 +113,7 @@ class HorovodConfig:
     elastic: bool = False           # elastic training under horovodrun --min-np/--max-np --host-discovery-script
     commit_every: int = 20          # elastic: steps between state commits (at most this many are redone on a reset)
     fusion_threshold_mb: float = -1.0  # tensor fusion buffer, MB (0: no fusion; -1: 8 on CPUs, 128 on GPUs); README
-    cycle_time_ms: float = 0.0      # Horovod's cycle, ms (0: Horovod's 1 ms); launcher flags win; see README
+    cycle_time_ms: float = 0.0      # Horovod's cycle, ms (0: by launch, README); launcher flags win
 
     def __post_init__(self):
         _require(self.batches_per_allreduce >= 1, "horovod.batches_per_allreduce (--batches-per-allreduce)",

@@ -60,7 +60,7 @@ class Bench:
         self.args, self.workdir, self.count = args, workdir, 0
         q = args.quick
         # (warm-up steps, timed iterations, steps per iteration) for each kind of measurement
-        self.fast_steps = (2, 3, 3) if q else (10, 10, 10)   # small_cnn at 28 px: ~30 ms a step
+        self.fast_steps = (2, 3, 3) if q else (10, 20, 10)   # small_cnn at 28 px: ~30 ms a step
         self.slow_steps = (1, 2, 2) if q else (2, 5, 4)      # steps of 0.3-1 s
 
     def out(self, name):
@@ -205,19 +205,22 @@ def section_allreduce(b):
 
 def section_tuning(b):
     """What the settings do to training, not just to an allreduce: the cycle time on a small, fast model (where
-    Horovod's per-cycle coordination costs the most), 1 ms (Horovod's and the app's) against 10 ms, both controllers;
-    OpenMPI yielding the core while it waits against busy-polling; fp16 compression of the gradients against none."""
+    Horovod's per-cycle coordination costs the most), each launch's default (MPI 1 ms, Gloo 10 ms, one process
+    alone 100 ms) against the other choice; OpenMPI yielding the core while it waits against busy-polling; fp16
+    compression of the gradients against none."""
     model, size, batch = "small_cnn", 28, 32
     steps, env = b.fast_steps, job_env()
     rows = []
-    for controller in ("gloo",) if b.args.quick else ("gloo", "mpi"):
+    launches = [("gloo", horovodrun(2, "gloo"), 10, 1), ("mpi", horovodrun(2, "mpi"), 1, 10),
+                ("alone", [PY], 100, 1)]
+    for name, launcher, default, other in launches[:1] if b.args.quick else launches:
         xs, ys = b.alternate(
-            lambda: b.app(horovodrun(2, controller), model, size, batch, steps, env,
-                          ["--horovod.cycle_time_ms", "1"])["img_per_sec_total"],
-            lambda: b.app(horovodrun(2, controller), model, size, batch, steps, env,
-                          ["--horovod.cycle_time_ms", "10"])["img_per_sec_total"])
-        rows.append(ratio_row(f"cycle time, {model} {size}px batch {batch}/rank, 2 ranks",
-                              f"--{controller}: 1 ms (default) / 10 ms", ">= 1 keeps 1 ms", xs, ys))
+            lambda: b.app(launcher, model, size, batch, steps, env)["img_per_sec_total"],
+            lambda: b.app(launcher, model, size, batch, steps, env,
+                          ["--horovod.cycle_time_ms", str(other)])["img_per_sec_total"])
+        ranks = "1 rank" if name == "alone" else "2 ranks"
+        rows.append(ratio_row(f"cycle time, {model} {size}px batch {batch}/rank, {ranks}",
+                              f"{name}: {default} ms (default) / {other} ms", ">= 1 keeps the default", xs, ys))
     if not b.args.quick:
         model, size, batch = "resnet18", 32, 16
         xs, ys = b.alternate(

@@ -1,4 +1,7 @@
-"""Exact metrics across ranks: sums and counts reduced once, never a mean of per-rank means."""
+"""Exact metrics across ranks: sums and counts reduced once, never a mean of per-rank means.
+
+Alone (hvd.size() == 1) each function returns its local answer without Horovod: a collective would only wait for
+Horovod's next cycle, which is 100 ms in a process started alone (hvd_utils/runtime.py)."""
 import hashlib
 
 import horovod.torch as hvd
@@ -11,6 +14,8 @@ def allreduce_sums(sums, name="metric_sums"):
     Keys are sorted so every rank packs the same values in the same order; float64 keeps large sample counts
     exact. Returns plain floats.
     """
+    if hvd.size() == 1:  # alone: no wait for Horovod's next cycle (100 ms when alone, hvd_utils/runtime.py)
+        return {k: float(v) for k, v in sums.items()}
     keys = sorted(sums)
     packed = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).detach().cpu() for k in keys])
     total = hvd.allreduce(packed, op=hvd.Sum, name=name)
@@ -29,6 +34,8 @@ def params_fingerprint(model):
 
 def fingerprints_by_rank(model):
     """The parameter fingerprint of every rank, gathered on all of them (rank order)."""
+    if hvd.size() == 1:
+        return [params_fingerprint(model)]
     mine = torch.tensor([params_fingerprint(model)], dtype=torch.int64)
     return hvd.allgather(mine, name="params_fingerprint").tolist()
 
@@ -36,12 +43,14 @@ def fingerprints_by_rank(model):
 def sum_across_ranks(value, name):
     """A scalar summed over all ranks, as a Python number (one small allreduce and a host sync)."""
     tensor = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(1)
-    if hvd.size() == 1:  # alone, skip the wait for Horovod's next cycle (up to cycle_time_ms, bench/NOTES.md)
+    if hvd.size() == 1:
         return tensor.item()
     return hvd.allreduce(tensor, op=hvd.Sum, name=name).item()
 
 
 def gather_floats(values, name):
     """Every rank's list of floats (all the same length), gathered on all ranks, in rank order."""
+    if hvd.size() == 1:
+        return [[float(v) for v in values]]
     mine = torch.tensor([list(values)], dtype=torch.float64)
     return hvd.allgather(mine, name=name).tolist()

@@ -78,8 +78,12 @@ def average_buffers(model):
 
     Each rank updates its running statistics from its own samples, so without this the ranks, and the validation
     and checkpoints they produce, would disagree. hvd.SyncBatchNorm models agree already; this costs one small
-    allreduce per buffer per epoch.
+    allreduce per epoch: every buffer is queued at once, so Horovod fuses them (one by one, a ResNet-50's 106
+    buffers waited for 106 cycles).
     """
-    for name, buf in model.named_buffers():
-        if buf.is_floating_point():
-            buf.copy_(hvd.allreduce(buf, op=hvd.Average, name=f"buffer.{name}"))
+    if hvd.size() == 1:
+        return
+    handles = [hvd.allreduce_async_(buf, op=hvd.Average, name=f"buffer.{name}")
+               for name, buf in model.named_buffers() if buf.is_floating_point()]
+    for handle in handles:
+        hvd.synchronize(handle)

@@ -9,6 +9,8 @@ def decide_on_root(fn, name):
 
     An error on rank 0 is raised on every rank instead of leaving the others waiting in a broadcast that never
     comes."""
+    if hvd.size() == 1:  # nobody to tell (and no wait for Horovod's cycle)
+        return fn()
     result, error = None, None
     if hvd.rank() == 0:
         try:
@@ -82,4 +84,6 @@ def load_weights(path, model, expect, optimizer=None):
 
 def gather_rng_states():
     """Every rank's RNG states, in rank order (a collective: every rank must call it)."""
+    if hvd.size() == 1:
+        return [checkpoint.rng_state()]
     return hvd.allgather_object(checkpoint.rng_state(), name="rng_states")

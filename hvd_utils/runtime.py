@@ -1,5 +1,6 @@
 """Horovod start-up: init, device pinning, CPU threads, and the rank facts the rest of the app asks for."""
 import os
+import sys
 from dataclasses import dataclass
 
 import horovod.torch as hvd
@@ -28,20 +29,38 @@ class Runtime:
         return self.rank == 0
 
 
-# Measured by `make bench` (bench/NOTES.md): on CPUs an 8 MB fusion buffer allreduces a ResNet-18's gradients
-# faster than Horovod's 128 MB, over MPI and Gloo alike; on GPUs NCCL wants large buffers, so 128 MB stays. The
-# cycle time stays Horovod's 1 ms: a longer one only helped while OpenMPI was busy-polling (fixed below instead).
-TUNING_DEFAULTS = {"cpu": {"fusion_threshold_mb": 8.0, "cycle_time_ms": 1.0},
-                   "cuda": {"fusion_threshold_mb": 128.0, "cycle_time_ms": 1.0}}
+# Measured by `make bench` (bench/NOTES.md). Fusion: on CPUs an 8 MB buffer allreduces a ResNet-18's gradients
+# faster than Horovod's 128 MB, over MPI and Gloo alike; on GPUs NCCL wants large buffers, so 128 MB stays.
+# Cycle: Horovod's background thread wakes every cycle to coordinate, and on a CPU whose cores all train, each
+# wake-up preempts a compute thread. Over MPI on CPUs 1 ms still trains fastest (its allreduce waits less); Gloo's
+# coordination is a TCP round trip, and 10 ms trained 11-13% faster than 1 ms (20 ms was slower again). A process
+# started alone has nothing to coordinate (the app skips Horovod at size 1), so it wakes every 100 ms: 3-15% faster
+# steps than at 1 ms. GPUs keep Horovod's 1 ms: their host cores are not the bottleneck.
+TUNING_DEFAULTS = {"cpu": {"fusion_threshold_mb": 8.0, "cycle_time_ms": {"mpi": 1.0, "gloo": 10.0, "alone": 100.0}},
+                   "cuda": {"fusion_threshold_mb": 128.0, "cycle_time_ms": {"mpi": 1.0, "gloo": 1.0, "alone": 100.0}}}
+_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+_SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 
 
-def tuning_env(device_type, fusion_threshold_mb=-1.0, cycle_time_ms=0.0):
+def launch_kind():
+    """How this process was started, as far as the environment says before hvd.init(): "alone" (no launcher, or
+    one that started a single process), "gloo" (horovodrun --gloo sets HOROVOD_CONTROLLER) or "mpi"."""
+    sizes = [os.environ[v] for v in _SIZE_VARS if os.environ.get(v, "").isdigit()]
+    if not any(v in os.environ for v in _RANK_VARS) or (sizes and all(n == "1" for n in sizes)):
+        return "alone"
+    if os.environ.get("HOROVOD_CONTROLLER", "").lower() == "gloo" or not hvd.mpi_built():
+        return "gloo"
+    return "mpi"
+
+
+def tuning_env(device_type, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, kind=None):
     """Set Horovod's fusion threshold and cycle time for hvd.init() to read: the given values, or the defaults
-    for the device (-1 and 0 mean default); a value the launcher (horovodrun --fusion-threshold-mb,
-    --cycle-time-ms) or the user put in the environment wins. Returns what is in effect."""
+    for the device and the launch (`kind`, see launch_kind; -1 and 0 mean default); a value the launcher
+    (horovodrun --fusion-threshold-mb, --cycle-time-ms) or the user put in the environment wins. Returns what is in
+    effect."""
     defaults = TUNING_DEFAULTS[device_type]
     fusion = defaults["fusion_threshold_mb"] if fusion_threshold_mb < 0 else fusion_threshold_mb
-    cycle = cycle_time_ms or defaults["cycle_time_ms"]
+    cycle = cycle_time_ms or defaults["cycle_time_ms"][kind or launch_kind()]
     os.environ.setdefault("HOROVOD_FUSION_THRESHOLD", str(int(fusion * 1024 * 1024)))
     os.environ.setdefault("HOROVOD_CYCLE_TIME", f"{cycle:g}")
     if device_type == "cpu":
@@ -60,8 +79,10 @@ def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, tune=True):
     elastic runs need that (with the tuning variables set in the workers, a survivor of a killed peer crashed in
     Gloo instead of resetting, every time, in tests/test_elastic.py)."""
     use_gpu = torch.cuda.is_available() and not cpu
+    kind = launch_kind()
+    cycle_chosen = bool(cycle_time_ms) or "HOROVOD_CYCLE_TIME" in os.environ
     if tune:
-        tuning = tuning_env("cuda" if use_gpu else "cpu", fusion_threshold_mb, cycle_time_ms)
+        tuning = tuning_env("cuda" if use_gpu else "cpu", fusion_threshold_mb, cycle_time_ms, kind)
     else:
         tuning = {"fusion_threshold_mb": int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 128 << 20)) / 2**20,
                   "cycle_time_ms": float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0))}
@@ -78,6 +99,11 @@ def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, tune=True):
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
             threads = torch.get_num_threads()
         torch.set_num_threads(threads)
+    if tune and kind == "alone" and not cycle_chosen and hvd.size() > 1 and hvd.rank() == 0:
+        # A launcher this module does not know: the alone-cycle would slow every allreduce.
+        print(f"hvd-train: warning: started by an unrecognised launcher ({hvd.size()} ranks, none of "
+              f"{', '.join(_RANK_VARS)} set), so Horovod's cycle time is {tuning['cycle_time_ms']:g} ms; pass "
+              "--horovod.cycle_time_ms 1", file=sys.stderr)
     return Runtime(
         rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size(),
         device=device, threads=threads, controller=controller(), tensor_ops=tensor_ops(device),
@@ -89,7 +115,7 @@ def launcher_rank():
 
     Lets a process that fails before Horovod starts (a bad flag, say) leave the error message to rank 0 alone.
     """
-    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+    for var in _RANK_VARS:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 0
@@ -111,6 +137,8 @@ def run_on_local_root(fn, what):
     A failure there is announced to every rank through one allreduce, so no rank waits forever for a download that
     has died: the host that failed raises its own error, the others a short one naming what failed.
     """
+    if hvd.size() == 1:
+        return fn()
     error = None
     if hvd.local_rank() == 0:
         try:

@@ -62,8 +62,8 @@ def test_stop_at_ends_training_at_the_first_epoch_that_reaches_the_target(tmp_pa
 
 
 def test_tuning_defaults_follow_the_device_and_the_launcher_wins():
-    code = ("import json, os, hvd_utils.runtime as r; print(json.dumps([r.tuning_env('cpu'), "
-            "r.tuning_env('cpu', 4, 2.5), os.environ['OMPI_MCA_mpi_yield_when_idle']]))")
+    code = ("import json, os, hvd_utils.runtime as r; print(json.dumps([r.tuning_env('cpu', kind='mpi'), "
+            "r.tuning_env('cpu', 4, 2.5, kind='gloo'), os.environ['OMPI_MCA_mpi_yield_when_idle']]))")
     env = job_env()
     for key in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "OMPI_MCA_mpi_yield_when_idle"):
         env.pop(key, None)
@@ -72,16 +72,42 @@ def test_tuning_defaults_follow_the_device_and_the_launcher_wins():
     assert yield_when_idle == "1"  # OpenMPI yields the core while it waits
     assert first == {"fusion_threshold_mb": 8.0, "cycle_time_ms": 1.0}
     assert second == first  # set once (as horovodrun would): later defaults do not override it
+    for kind, cycle in (("gloo", 10.0), ("alone", 100.0)):
+        code = f"import json, hvd_utils.runtime as r; print(json.dumps(r.tuning_env('cpu', kind='{kind}')))"
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert json.loads(out.stdout) == {"fusion_threshold_mb": 8.0, "cycle_time_ms": cycle}, kind
     env.update(HOROVOD_FUSION_THRESHOLD=str(64 << 20), HOROVOD_CYCLE_TIME="3")
-    code = "import json, hvd_utils.runtime as r; print(json.dumps(r.tuning_env('cuda', -1, 0)))"
+    code = "import json, hvd_utils.runtime as r; print(json.dumps(r.tuning_env('cuda', -1, 0, 'mpi')))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == {"fusion_threshold_mb": 64.0, "cycle_time_ms": 3.0}
+
+
+@pytest.mark.parametrize("launch, kind", [
+    ({}, "alone"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}, "alone"),  # mpirun -np 1
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, "alone"),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}, "mpi"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, "mpi"),  # python alone inside an 8-task allocation: the safe side
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_CONTROLLER": "gloo"}, "gloo"),  # horovodrun --gloo
+])
+def test_launch_kind_is_read_from_the_launchers_variables(launch, kind):
+    env = {k: v for k, v in job_env().items() if not k.startswith(("OMPI_COMM", "PMI", "SLURM", "HOROVOD_"))}
+    env.update(launch)
+    out = subprocess.run([sys.executable, "-c", "import hvd_utils.runtime as r; print(r.launch_kind())"], env=env,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == kind
 
 
 @pytest.mark.distributed
 def test_app_logs_the_tuning_in_effect_and_horovodrun_flags_override_it(tmp_path):
     proc = launch("horovodrun-gloo", 2, TRAIN, "--epochs", "1", "--output-dir", tmp_path / "a", *QUIET)
-    assert "fusion 8 MB, cycle 1 ms" in proc.stdout
+    assert "fusion 8 MB, cycle 10 ms" in proc.stdout  # Gloo's CPU default
+    proc = launch("horovodrun-mpi", 2, TRAIN, "--epochs", "1", "--output-dir", tmp_path / "m", *QUIET)
+    assert "fusion 8 MB, cycle 1 ms" in proc.stdout  # MPI's
+    proc = subprocess.run([sys.executable, str(TRAIN), "--epochs", "1", "--output-dir", str(tmp_path / "one"), *QUIET],
+                          cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "cycle 100 ms" in proc.stdout  # alone: nothing to coordinate
     cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", "--cycle-time-ms", "2",
            "--fusion-threshold-mb", "16", sys.executable, str(TRAIN), "--epochs", "1", "--output-dir",
            str(tmp_path / "b"), *QUIET]
