@@ -24,6 +24,7 @@ from common import ROOT, spread
 PY = sys.executable
 BIN = os.path.dirname(PY)
 SECTIONS = ("overhead", "scaling", "peer", "allreduce", "tuning", "accuracy")
+APP_CYCLE_MS = {"mpi": 1, "gloo": 10}  # the app's CPU defaults for 2 ranks (hvd_utils/runtime.py TUNING_DEFAULTS)
 
 
 def job_env(**extra):
@@ -176,11 +177,11 @@ def section_allreduce(b):
     """Bus bandwidth by size for Horovod over MPI and Gloo (at Horovod's defaults and at the app's) and
     torch.distributed Gloo; then one ResNet-18 step's gradients with the fusion threshold and cycle time varied."""
     hvd_default = {"HOROVOD_FUSION_THRESHOLD": 128 << 20, "HOROVOD_CYCLE_TIME": 1}
-    app_default = {"HOROVOD_FUSION_THRESHOLD": 8 << 20, "HOROVOD_CYCLE_TIME": 1}
     sweeps = []
-    for controller in ("mpi", "gloo"):
-        for label, tuning in (("horovod defaults: 128 MB, 1 ms", hvd_default), ("app defaults: 8 MB, 1 ms",
-                                                                                app_default)):
+    for controller, app_cycle in APP_CYCLE_MS.items():
+        app_default = {"HOROVOD_FUSION_THRESHOLD": 8 << 20, "HOROVOD_CYCLE_TIME": app_cycle}
+        for label, tuning in (("horovod defaults: 128 MB, 1 ms", hvd_default),
+                              (f"app defaults: 8 MB, {app_cycle} ms", app_default)):
             r = allreduce(b, horovodrun(2, controller), "horovod", "sweep", job_env(**tuning))
             sweeps.append({"backend": f"horovod {controller}", "settings": label, "sweep": r["sweep"]})
     r = allreduce(b, torchrun(2), "torch", "sweep", job_env())
@@ -195,9 +196,10 @@ def section_allreduce(b):
                 env = job_env(HOROVOD_FUSION_THRESHOLD=fusion << 20, HOROVOD_CYCLE_TIME=cycle)
                 g = allreduce(b, horovodrun(2, controller), "horovod", "grads", env)["grads"]
                 grid.append({"backend": f"horovod {controller}", "fusion_mb": fusion, "cycle_ms": cycle, **g})
-        env = job_env(HOROVOD_FUSION_THRESHOLD=8 << 20, HOROVOD_CYCLE_TIME=1)
+        app_cycle = APP_CYCLE_MS[controller]
+        env = job_env(HOROVOD_FUSION_THRESHOLD=8 << 20, HOROVOD_CYCLE_TIME=app_cycle)
         g = allreduce(b, horovodrun(2, controller), "horovod", "grads", env, ["--fp16"])["grads"]
-        grid.append({"backend": f"horovod {controller}", "fusion_mb": 8, "cycle_ms": 1, **g})
+        grid.append({"backend": f"horovod {controller}", "fusion_mb": 8, "cycle_ms": app_cycle, **g})
     g = allreduce(b, torchrun(2), "torch", "grads", job_env())["grads"]
     grid.append({"backend": "torch.distributed gloo", "fusion_mb": None, "cycle_ms": None, **g})
     return {"sweeps": sweeps, "grads": grid}
