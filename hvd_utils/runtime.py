@@ -33,9 +33,10 @@ class Runtime:
 # faster than Horovod's 128 MB, over MPI and Gloo alike; on GPUs NCCL wants large buffers, so 128 MB stays.
 # Cycle: Horovod's background thread wakes every cycle to coordinate, and on a CPU whose cores all train, each
 # wake-up preempts a compute thread. Over MPI on CPUs 1 ms still trains fastest (its allreduce waits less); Gloo's
-# coordination is a TCP round trip, and 10 ms trained 11-13% faster than 1 ms (20 ms was slower again). A process
-# started alone has nothing to coordinate (the app skips Horovod at size 1), so it wakes every 100 ms: 3-15% faster
-# steps than at 1 ms. GPUs keep Horovod's 1 ms: their host cores are not the bottleneck.
+# coordination is a TCP round trip, and 10 ms trained compute-bound steps 12% faster than 1 ms (even on 40 ms steps,
+# slower on 16 ms ones: the README says so). A process started alone has nothing to coordinate (the app skips
+# Horovod at size 1), so it wakes every 100 ms: a few percent faster steps than at 1 ms. GPUs keep Horovod's 1 ms:
+# their host cores are not the bottleneck.
 TUNING_DEFAULTS = {"cpu": {"fusion_threshold_mb": 8.0, "cycle_time_ms": {"mpi": 1.0, "gloo": 10.0, "alone": 100.0}},
                    "cuda": {"fusion_threshold_mb": 128.0, "cycle_time_ms": {"mpi": 1.0, "gloo": 1.0, "alone": 100.0}}}
 _RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
