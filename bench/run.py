@@ -20,11 +20,13 @@ import tempfile
 import time
 
 from common import ROOT, spread
+from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row compares against what it ships
 
 PY = sys.executable
 BIN = os.path.dirname(PY)
 SECTIONS = ("overhead", "scaling", "peer", "allreduce", "tuning", "accuracy")
-APP_CYCLE_MS = {"mpi": 1, "gloo": 10}  # the app's CPU defaults for 2 ranks (hvd_utils/runtime.py TUNING_DEFAULTS)
+APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
+APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
 
 
 def job_env(**extra):
@@ -178,10 +180,11 @@ def section_allreduce(b):
     torch.distributed Gloo; then one ResNet-18 step's gradients with the fusion threshold and cycle time varied."""
     hvd_default = {"HOROVOD_FUSION_THRESHOLD": 128 << 20, "HOROVOD_CYCLE_TIME": 1}
     sweeps = []
-    for controller, app_cycle in APP_CYCLE_MS.items():
-        app_default = {"HOROVOD_FUSION_THRESHOLD": 8 << 20, "HOROVOD_CYCLE_TIME": app_cycle}
+    for controller in ("mpi", "gloo"):
+        app_cycle = APP_CYCLE_MS[controller]
+        app_default = {"HOROVOD_FUSION_THRESHOLD": APP_FUSION_MB << 20, "HOROVOD_CYCLE_TIME": f"{app_cycle:g}"}
         for label, tuning in (("horovod defaults: 128 MB, 1 ms", hvd_default),
-                              (f"app defaults: 8 MB, {app_cycle} ms", app_default)):
+                              (f"app defaults: {APP_FUSION_MB} MB, {app_cycle:g} ms", app_default)):
             r = allreduce(b, horovodrun(2, controller), "horovod", "sweep", job_env(**tuning))
             sweeps.append({"backend": f"horovod {controller}", "settings": label, "sweep": r["sweep"]})
     r = allreduce(b, torchrun(2), "torch", "sweep", job_env())
@@ -197,9 +200,9 @@ def section_allreduce(b):
                 g = allreduce(b, horovodrun(2, controller), "horovod", "grads", env)["grads"]
                 grid.append({"backend": f"horovod {controller}", "fusion_mb": fusion, "cycle_ms": cycle, **g})
         app_cycle = APP_CYCLE_MS[controller]
-        env = job_env(HOROVOD_FUSION_THRESHOLD=8 << 20, HOROVOD_CYCLE_TIME=app_cycle)
+        env = job_env(HOROVOD_FUSION_THRESHOLD=APP_FUSION_MB << 20, HOROVOD_CYCLE_TIME=f"{app_cycle:g}")
         g = allreduce(b, horovodrun(2, controller), "horovod", "grads", env, ["--fp16"])["grads"]
-        grid.append({"backend": f"horovod {controller}", "fusion_mb": 8, "cycle_ms": app_cycle, **g})
+        grid.append({"backend": f"horovod {controller}", "fusion_mb": APP_FUSION_MB, "cycle_ms": app_cycle, **g})
     g = allreduce(b, torchrun(2), "torch", "grads", job_env())["grads"]
     grid.append({"backend": "torch.distributed gloo", "fusion_mb": None, "cycle_ms": None, **g})
     return {"sweeps": sweeps, "grads": grid}
@@ -213,16 +216,16 @@ def section_tuning(b):
     model, size, batch = "small_cnn", 28, 32
     steps, env = b.fast_steps, job_env()
     rows = []
-    launches = [("gloo", horovodrun(2, "gloo"), 10, 1), ("mpi", horovodrun(2, "mpi"), 1, 10),
-                ("alone", [PY], 100, 1)]
-    for name, launcher, default, other in launches[:1] if b.args.quick else launches:
+    launches = [("gloo", horovodrun(2, "gloo"), 1), ("mpi", horovodrun(2, "mpi"), 10), ("alone", [PY], 1)]
+    for name, launcher, other in launches[:1] if b.args.quick else launches:
         xs, ys = b.alternate(
             lambda: b.app(launcher, model, size, batch, steps, env)["img_per_sec_total"],
             lambda: b.app(launcher, model, size, batch, steps, env,
                           ["--horovod.cycle_time_ms", str(other)])["img_per_sec_total"])
         ranks = "1 rank" if name == "alone" else "2 ranks"
         rows.append(ratio_row(f"cycle time, {model} {size}px batch {batch}/rank, {ranks}",
-                              f"{name}: {default} ms (default) / {other} ms", ">= 1 keeps the default", xs, ys))
+                              f"{name}: {APP_CYCLE_MS[name]:g} ms (default) / {other} ms", ">= 1 keeps the default",
+                              xs, ys))
     if not b.args.quick:
         model, size, batch = "resnet18", 32, 16
         xs, ys = b.alternate(
@@ -300,7 +303,7 @@ def markdown(results):
                   "| --- | --- | --- | --- | --- | --- |"]
         for g in comm["grads"]:
             fusion = "-" if g["fusion_mb"] is None else f"{g['fusion_mb']} MB"
-            cycle = "-" if g["cycle_ms"] is None else f"{g['cycle_ms']} ms"
+            cycle = "-" if g["cycle_ms"] is None else f"{g['cycle_ms']:g} ms"
             lines.append(f"| {g['backend']} | {fusion} | {cycle} | {'yes' if g['fp16'] else 'no'} | "
                          f"{g['seconds'] * 1e3:.1f} | {g['busbw'] / 1e9:.2f} |")
     return "\n".join(lines) + "\n"

@@ -69,8 +69,13 @@ def tuning_env(device_type, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, kind=No
         # the core instead gave 2 ranks 8% more images/s than torchrun DDP on a ResNet-18 (bench/NOTES.md).
         # Read by MPI_Init inside hvd.init(); harmless under Gloo.
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    return {"fusion_threshold_mb": int(os.environ["HOROVOD_FUSION_THRESHOLD"]) / 2**20,
-            "cycle_time_ms": float(os.environ["HOROVOD_CYCLE_TIME"])}
+    return tuning_in_effect()
+
+
+def tuning_in_effect():
+    """The fusion threshold (MB) and cycle time (ms) hvd.init() will read: the environment, else Horovod's own."""
+    return {"fusion_threshold_mb": int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 128 << 20)) / 2**20,
+            "cycle_time_ms": float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0))}
 
 
 def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, tune=True):
@@ -85,8 +90,7 @@ def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, tune=True):
     if tune:
         tuning = tuning_env("cuda" if use_gpu else "cpu", fusion_threshold_mb, cycle_time_ms, kind)
     else:
-        tuning = {"fusion_threshold_mb": int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 128 << 20)) / 2**20,
-                  "cycle_time_ms": float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0))}
+        tuning = tuning_in_effect()
     hvd.init()  # Horovod: start the controller (MPI under mpirun or horovodrun --mpi, Gloo under --gloo).
     if use_gpu:
         # Horovod: one GPU per process, chosen by the rank on this host.
