@@ -12,7 +12,7 @@ import hvd_utils
 from checkpoint import VERSION
 from config import ConfigError
 from data import DATASETS, build_datasets, download_fn
-from models import build_model, model_names
+from models import MODELS, build_model, model_names
 from reporting import build_summary, seconds_since_start, write_json
 from tasks import improved, reached
 
@@ -21,7 +21,8 @@ log = logging.getLogger("hvd_train")
 
 def check_choices(cfg):
     """Unknown names and impossible combinations fail here, before any rank starts Horovod."""
-    if cfg.model.name not in model_names():
+    # The built-in models first: naming one must not need torchvision (a site's own torch may come without it).
+    if cfg.model.name not in MODELS and cfg.model.name not in model_names():
         raise ConfigError(f"--model={cfg.model.name!r} is not known; choose small_cnn, vae or a torchvision "
                           f"classification model ({', '.join(model_names()[2:8])}, ...)")
     if cfg.data.dataset not in DATASETS:

@@ -1,14 +1,21 @@
 """Build Horovod 0.28.1 against the torch of the running Python, cache the wheel, install it.
 
-Run with the virtual environment's python (scripts/install.sh does):
+Run with the python whose torch Horovod is built for (scripts/install.sh does):
 
-    .venv/bin/python scripts/build_horovod.py [--gpu] [--force]
+    .venv/bin/python scripts/build_horovod.py [--gpu] [--no-mpi] [--sdist PATH] [--offline] [--force]
 
-Horovod's last release (0.28.1) predates PyTorch 2.1 and does not build against it as released. This script
-downloads the sdist from PyPI and makes the few edits it needs, each explained in PATCHES below, then builds a
-wheel with PyTorch, MPI and Gloo (and NCCL with --gpu). The wheel is kept in a cache outside the checkout, keyed by
-Horovod, torch and Python versions, the build flags and the patches, so the next setup on this machine installs it
-in seconds instead of compiling for about six minutes.
+Horovod's last release (0.28.1) predates PyTorch 2.1 and does not build against it as released. This script takes
+the sdist (downloaded from PyPI once and kept in the cache, or given with --sdist), makes the few edits it needs,
+each explained in PATCHES below, then builds a wheel with PyTorch, MPI and Gloo, and with --gpu NCCL GPU operations.
+
+A GPU build needs CUDA's compiler and headers. A complete toolkit is used where there is one (CUDA_HOME or
+HOROVOD_CUDA_HOME, else /usr/local/cuda or the nvcc on PATH); otherwise the same toolchain comes from PyPI as wheels
+(nvidia-cuda-nvcc, -crt, -cccl, -runtime and nvidia-nvvm, of torch's CUDA version) into the cache, so a machine with
+no GPU and no system toolkit builds it too. With --offline nothing is downloaded: the sdist and, for --gpu, a
+toolkit must already be there.
+
+The wheel is kept in a cache outside the checkout, keyed by Horovod, torch and Python versions, the controllers, the
+toolkit and GPU architectures and the patches, so the next setup on this machine installs it in seconds.
 """
 import argparse
 import hashlib
@@ -21,10 +28,25 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 HOROVOD_VERSION = "0.28.1"
-STAMP_NAME = ".horovod-build-key"  # in the venv: the key of the wheel installed there
+# PyPI's sdist of that release; a carried sdist must be the same file (the patches know these sources only).
+SDIST_SHA256 = "92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
+SDIST_NAME = f"horovod-{HOROVOD_VERSION}.tar.gz"
+STAMP_NAME = ".horovod-build-key"  # in the environment: the key of the wheel installed there
+
+# GPU generations compiled for by default: Volta to Hopper, and Blackwell, kept where the toolkit's nvcc still
+# builds for them (CUDA 13 dropped Volta; CUDA 12.8 added Blackwell). Each gets native code; the newest also PTX,
+# which the driver compiles for GPUs newer than all of these. HOROVOD_BUILD_CUDA_CC_LIST overrides the list.
+GPU_GENERATIONS = {70: "Volta (V100)", 75: "Turing (T4)", 80: "Ampere (A100)", 86: "Ampere (A10, RTX 30)",
+                   89: "Ada (L4, L40, RTX 40)", 90: "Hopper (H100, H200)", 100: "Blackwell (B200)",
+                   120: "Blackwell (RTX 50, RTX PRO)"}
+# The PyPI wheels that make up a toolkit, pinned to torch's CUDA release (major.minor).
+# cuobjdump lets the tests see which architectures the built library holds.
+TOOLKIT_WHEELS = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-cuda-cccl", "nvidia-cuda-runtime", "nvidia-nvvm",
+                  "nvidia-cuda-cuobjdump")
 
 
 def die(msg):
@@ -33,6 +55,11 @@ def die(msg):
 
 def log(msg):
     print(msg, flush=True)
+
+
+def run(cmd, **kw):
+    log("  $ " + " ".join(str(c) for c in cmd))
+    subprocess.run(cmd, check=True, **kw)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -62,7 +89,8 @@ def torch_info():
         import torch
         from torch.utils.cpp_extension import include_paths
     except ImportError as e:
-        die(f"torch is not importable with {sys.executable} ({e}); run scripts/install.sh, which installs it first")
+        die(f"torch is not importable with {sys.executable} ({e}); run scripts/install.sh, which installs it first, "
+            "or point --python at an interpreter that has torch")
     return {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -123,82 +151,333 @@ def patch_fingerprint():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Build environment
+# The sdist: given, cached, or downloaded once into the cache
+
+
+def cache_root():
+    return Path(os.environ.get("HVD_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hvd-train"))
+
+
+def cache_dir():
+    return cache_root() / "horovod-wheels"
+
+
+def sha256_of(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_sdist(path):
+    path = Path(path)
+    if not path.is_file():
+        die(f"--sdist {path}: no such file. Give the path of {SDIST_NAME} (pip download --no-deps --no-binary :all: "
+            f"horovod=={HOROVOD_VERSION} fetches it on a machine with network access)")
+    if sha256_of(path) != SDIST_SHA256:
+        die(f"--sdist {path} is not PyPI's {SDIST_NAME} (sha256 differs): this script patches Horovod "
+            f"{HOROVOD_VERSION}'s sources only. Fetch it with: pip download --no-deps --no-binary :all: "
+            f"horovod=={HOROVOD_VERSION}")
+    return path
+
+
+def obtain_sdist(given, offline):
+    """The sdist to build: the one given, else the cached copy, else one downloaded now (never when offline)."""
+    if given:
+        return check_sdist(given)
+    cached = cache_root() / "sdist" / SDIST_NAME
+    if cached.is_file() and sha256_of(cached) == SDIST_SHA256:
+        return cached
+    if offline:
+        die(f"offline and no Horovod sdist: pass --sdist PATH to {SDIST_NAME} (fetch it where there is network: "
+            f"pip download --no-deps --no-binary :all: horovod=={HOROVOD_VERSION}), or run once online so it is "
+            f"cached in {cached.parent}")
+    with tempfile.TemporaryDirectory(prefix="hvd-train-sdist-") as tmp:
+        log(f"downloading the Horovod {HOROVOD_VERSION} sdist from PyPI")
+        run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+             f"horovod=={HOROVOD_VERSION}", "-d", tmp])
+        got = Path(tmp) / SDIST_NAME
+        if not got.is_file():
+            die(f"pip did not download {SDIST_NAME}; is PyPI reachable? (offline: pass --sdist PATH)")
+        check_sdist(got)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(got, cached.with_suffix(".partial"))
+        cached.with_suffix(".partial").rename(cached)  # a download killed halfway never looks cached
+    return cached
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The CUDA toolkit of a GPU build
+
+
+@dataclass(frozen=True)
+class Toolkit:
+    root: Path          # CUDA_HOME for the build: bin/nvcc, include/cuda_runtime.h, lib64 or lib with libcudart
+    version: str        # nvcc's release, e.g. "13.2"
+    source: str         # "system" or "pypi", for the log and the cache key
+
+
+def toolkit_missing(root):
+    """What a build needs that `root` lacks (empty when it is a complete toolkit)."""
+    root = Path(root)
+    missing = [rel for rel in ("bin/nvcc", "include/cuda_runtime.h") if not (root / rel).is_file()]
+    if not any((root / d / "libcudart.so").exists() or (root / d / "libcudart_static.a").exists()
+               for d in ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib")):
+        missing.append("lib64/libcudart.so")
+    return missing
+
+
+def nvcc_release(nvcc):
+    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"release (\d+\.\d+)", out)
+    if not found:
+        die(f"{nvcc} --version did not say its release:\n{out}")
+    return found.group(1)
+
+
+def same_major(a, b):
+    return a.split(".")[0] == b.split(".")[0]
+
+
+def system_toolkit(torch_cuda):
+    """A complete system toolkit of torch's CUDA major version, or None; says why each candidate was passed over.
+
+    An explicit CUDA_HOME / HOROVOD_CUDA_HOME is the user's choice: when it is incomplete or of another CUDA major
+    version than torch, the build stops instead of quietly using something else.
+    """
+    explicit = os.environ.get("HOROVOD_CUDA_HOME") or os.environ.get("CUDA_HOME")
+    if explicit:
+        missing = toolkit_missing(explicit)
+        if missing:
+            die(f"CUDA_HOME={explicit} is not a complete CUDA toolkit: it lacks {', '.join(missing)}. Point CUDA_HOME "
+                "at a full toolkit, or unset it and the build uses CUDA's compiler and headers from PyPI.")
+        version = nvcc_release(Path(explicit) / "bin" / "nvcc")
+        if not same_major(version, torch_cuda):
+            die(f"CUDA_HOME={explicit} is CUDA {version}, but torch was built with CUDA {torch_cuda}: Horovod must "
+                f"use torch's CUDA major version. Point CUDA_HOME at a CUDA {torch_cuda.split('.')[0]} toolkit, or "
+                "unset it and the build uses the matching toolchain from PyPI.")
+        log(f"CUDA toolkit: {explicit} (CUDA {version}), from CUDA_HOME")
+        return Toolkit(Path(explicit), version, "system")
+    candidates = ["/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+    for root in dict.fromkeys(candidates):
+        if not Path(root).exists():
+            continue
+        missing = toolkit_missing(root)
+        if missing:
+            log(f"CUDA toolkit: {root} passed over, it is incomplete (no {', '.join(missing)})")
+            continue
+        version = nvcc_release(Path(root) / "bin" / "nvcc")
+        if not same_major(version, torch_cuda):
+            log(f"CUDA toolkit: {root} passed over, it is CUDA {version} and torch was built with CUDA {torch_cuda}")
+            continue
+        log(f"CUDA toolkit: {root} (CUDA {version}), a complete system toolkit")
+        return Toolkit(Path(root), version, "system")
+    return None
+
+
+def pypi_toolkit_dir(torch_cuda):
+    return cache_root() / "cuda-toolkits" / f"cuda-{torch_cuda}"
+
+
+def pypi_toolkit(torch_cuda, offline, why):
+    """CUDA's compiler, headers and runtime from PyPI's wheels of torch's CUDA release, installed into the cache.
+
+    From CUDA 13 on, NVIDIA's wheels share one prefix (nvidia/cu13: bin, include, lib, nvvm), which is a toolkit
+    root once libcudart.so, the name CMake looks for, points at the versioned library.
+    """
+    major = torch_cuda.split(".")[0]
+    if int(major) < 13:
+        die(f"torch was built with CUDA {torch_cuda} and no complete CUDA {major} toolkit was found. PyPI's CUDA "
+            f"{major} wheels do not form a toolkit: install the CUDA {major} toolkit and set CUDA_HOME to it.")
+    target = pypi_toolkit_dir(torch_cuda)
+    root = target / "nvidia" / f"cu{major}"
+    wanted = [f"{name}=={torch_cuda}.*" for name in TOOLKIT_WHEELS]
+    stamp = target / ".complete"
+    if not stamp.is_file() or stamp.read_text().split() != wanted:
+        if offline:
+            die(f"offline, and no complete CUDA {major} toolkit: set CUDA_HOME to one, or run this once with network "
+                f"access so PyPI's toolchain for CUDA {torch_cuda} is cached in {target}")
+        log(f"CUDA toolkit: installing CUDA {torch_cuda}'s compiler and headers from PyPI into {target}")
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial)] + wanted)
+        (partial / "nvidia" / f"cu{major}" / "lib" / "libcudart.so").symlink_to(f"libcudart.so.{major}")
+        (partial / ".complete").write_text(" ".join(wanted) + "\n")
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+    missing = toolkit_missing(root)
+    if missing:
+        die(f"PyPI's CUDA toolchain in {target} lacks {', '.join(missing)}; remove {target} and run this again")
+    version = nvcc_release(root / "bin" / "nvcc")
+    log(f"CUDA toolkit: {root} (CUDA {version}), PyPI's wheels, {why}")
+    return Toolkit(root, version, "pypi")
+
+
+def find_toolkit(torch_cuda, offline, choice="auto"):
+    """The toolkit for a GPU build: `choice` is auto (a complete system toolkit, else PyPI's), system or pypi."""
+    if not torch_cuda:
+        die("a GPU build needs a CUDA build of torch, and this torch is CPU-only (torch.version.cuda is None). "
+            "Build for the CPU (--cpu), or install a CUDA build of torch.")
+    if choice == "pypi":
+        return pypi_toolkit(torch_cuda, offline, "as asked (--cuda-toolkit pypi)")
+    found = system_toolkit(torch_cuda)
+    if found is None and choice == "system":
+        die(f"--cuda-toolkit system: no complete CUDA {torch_cuda.split('.')[0]} toolkit was found (see above); set "
+            "CUDA_HOME to one, or use --cuda-toolkit auto to fall back on PyPI's")
+    return found or pypi_toolkit(torch_cuda, offline, "since no complete system toolkit was found")
+
+
+def nvcc_architectures(nvcc):
+    """The compute capabilities this nvcc builds for, from `nvcc --list-gpu-arch` (compute_75 ... compute_121)."""
+    out = subprocess.run([str(nvcc), "--list-gpu-arch"], capture_output=True, text=True).stdout
+    return sorted({int(n) for n in re.findall(r"compute_(\d+)", out)})
+
+
+def choose_architectures(supported, override=None):
+    """The compute capabilities to build (sorted) and a note on what was left out and why."""
+    if override:
+        try:
+            wanted = sorted({int(x.strip().replace(".", "")) for x in override.split(",") if x.strip()})
+        except ValueError:
+            die(f"HOROVOD_BUILD_CUDA_CC_LIST={override!r}: give compute capabilities separated by commas, "
+                "e.g. 80,90")
+        unsupported = [cc for cc in wanted if cc not in supported]
+        if not wanted or unsupported:
+            die(f"HOROVOD_BUILD_CUDA_CC_LIST={override!r}: this nvcc does not build for {unsupported or 'nothing'}; "
+                f"it builds for {', '.join(map(str, supported))}")
+        return wanted, "from HOROVOD_BUILD_CUDA_CC_LIST"
+    chosen = [cc for cc in GPU_GENERATIONS if cc in supported]
+    if not chosen:
+        die(f"this nvcc builds for none of {sorted(GPU_GENERATIONS)} (it lists {supported}); set "
+            "HOROVOD_BUILD_CUDA_CC_LIST")
+    dropped = [f"sm_{cc} {GPU_GENERATIONS[cc]}" for cc in GPU_GENERATIONS if cc not in supported]
+    note = f"not built: {', '.join(dropped)}, which this nvcc no longer or not yet supports" if dropped else ""
+    return chosen, note
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# NCCL and the build environment
 
 
 def nccl_dirs():
-    """NCCL headers and library from the nvidia-nccl pip package that comes with torch."""
-    try:
-        import nvidia.nccl
-    except ImportError:
-        die("a GPU build needs NCCL: the nvidia-nccl pip package that comes with the CUDA build of torch is missing")
-    base = Path(list(nvidia.nccl.__path__)[0])
-    return base / "include", base / "lib"
+    """NCCL's headers and library: HOROVOD_NCCL_HOME (or _INCLUDE/_LIB), else the nvidia-nccl wheel torch brings."""
+    home = os.environ.get("HOROVOD_NCCL_HOME")
+    if home or os.environ.get("HOROVOD_NCCL_INCLUDE"):
+        include = Path(os.environ.get("HOROVOD_NCCL_INCLUDE") or Path(home, "include"))
+        lib = Path(os.environ.get("HOROVOD_NCCL_LIB") or Path(home, "lib"))
+    else:
+        try:
+            import nvidia.nccl
+        except ImportError:
+            die("a GPU build needs NCCL: torch's nvidia-nccl wheel is not installed here; set HOROVOD_NCCL_HOME to "
+                "an NCCL installation (with include/nccl.h and lib/libnccl.so)")
+        base = Path(list(nvidia.nccl.__path__)[0])
+        include, lib = base / "include", base / "lib"
+    if not (include / "nccl.h").is_file() or not sorted(lib.glob("libnccl.so*")):
+        die(f"NCCL not found: need {include}/nccl.h and {lib}/libnccl.so*; set HOROVOD_NCCL_HOME to an NCCL "
+            "installation")
+    return include, lib
 
 
-def cuda_home():
-    return os.environ.get("HOROVOD_CUDA_HOME") or os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+@dataclass(frozen=True)
+class BuildPlan:
+    gpu: bool
+    mpi: bool
+    toolkit: Toolkit = None
+    archs: tuple = ()
 
 
-def check_gpu_toolchain():
-    """Before downloading anything: a GPU build needs a full CUDA toolkit (nvcc and the runtime headers)."""
-    home = cuda_home()
-    if not (Path(home, "bin", "nvcc").is_file() and Path(home, "include", "cuda_runtime.h").is_file()):
-        die(f"a GPU build needs a full CUDA toolkit (bin/nvcc and include/cuda_runtime.h); {home} lacks them. "
-            "Set CUDA_HOME to the toolkit (the CUDA devel images have it), or build for the CPU with --cpu.")
-
-
-def build_env(gpu, cxx_standard, work_dir):
+def build_env(plan, work_dir):
     env = dict(os.environ)
     env.update({
         "HOROVOD_WITH_PYTORCH": "1",
         "HOROVOD_WITHOUT_TENSORFLOW": "1",
         "HOROVOD_WITHOUT_MXNET": "1",
         "HOROVOD_WITH_GLOO": "1",
-        "HOROVOD_WITH_MPI": "1",
         # cmake 4 (PyPI) refuses gloo's `cmake_minimum_required(VERSION 2.8...)` unless told the oldest policy to use.
         "CMAKE_POLICY_VERSION_MINIMUM": "3.5",
         "MAKEFLAGS": f"-j{os.cpu_count() or 1}",
     })
-    # The venv's cmake from PyPI, found before any older system cmake.
+    env.pop("HOROVOD_WITH_MPI" if not plan.mpi else "HOROVOD_WITHOUT_MPI", None)
+    env["HOROVOD_WITH_MPI" if plan.mpi else "HOROVOD_WITHOUT_MPI"] = "1"
+    # The environment's cmake (PyPI's, in the venv) before any older system cmake.
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    if gpu:
+    if plan.gpu:
         include, lib = nccl_dirs()
-        # The pip package ships only libnccl.so.2; CMake's find_library looks for libnccl.so.
+        # The wheel ships only libnccl.so.2; CMake's find_library looks for libnccl.so.
         link_dir = Path(work_dir) / "nccl-lib"
         link_dir.mkdir(exist_ok=True)
-        versioned = sorted(lib.glob("libnccl.so*"))
-        if not versioned:
-            die(f"no libnccl.so* in {lib}")
-        (link_dir / "libnccl.so").symlink_to(versioned[0])
+        (link_dir / "libnccl.so").symlink_to(sorted(lib.glob("libnccl.so*"))[0])
         env.update({
             "HOROVOD_GPU_OPERATIONS": "NCCL",
             "HOROVOD_NCCL_LINK": "SHARED",
             "HOROVOD_NCCL_INCLUDE": str(include),
             "HOROVOD_NCCL_LIB": str(link_dir),
+            # Horovod's CMake takes nvcc from here; torch's cpp_extension (which Horovod asks for include paths)
+            # reads CUDA_HOME, and would otherwise pick an incomplete /usr/local/cuda.
+            "HOROVOD_CUDA_HOME": str(plan.toolkit.root),
+            "CUDA_HOME": str(plan.toolkit.root),
+            "HOROVOD_BUILD_CUDA_CC_LIST": ",".join(map(str, plan.archs)),
         })
-        env.setdefault("HOROVOD_CUDA_HOME", cuda_home())
+        env.pop("HVD_TRAIN_TORCH_CPU_ONLY", None)
     else:
         env["HVD_TRAIN_TORCH_CPU_ONLY"] = "1"
         env.pop("HOROVOD_GPU_OPERATIONS", None)
     return env
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Cache
-
-
-def cache_dir():
-    base = os.environ.get("HVD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hvd-train")
-    return Path(base) / "horovod-wheels"
-
-
-def build_key(info, gpu):
+def build_key(info, plan):
     py = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    flags = "nccl" if gpu else "cpu"
+    flags = "mpi-gloo" if plan.mpi else "gloo"
+    if plan.gpu:
+        archs = "-".join(map(str, plan.archs))
+        flags += f"-nccl-cuda{plan.toolkit.version}-{plan.toolkit.source}-sm{archs}"
     platform = sysconfig.get_platform()
     return f"horovod{HOROVOD_VERSION}-torch{info['torch']}-{py}-{platform}-{flags}-p{patch_fingerprint()}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Prerequisites, checked before anything is compiled
+
+
+def check_prerequisites(plan, offline):
+    problems = []
+    python_h = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not python_h.is_file():
+        problems.append(f"Python's headers ({python_h}) are missing: Horovod compiles against them "
+                        f"(Debian/Ubuntu: apt-get install python{sys.version_info.major}.{sys.version_info.minor}-dev "
+                        "or python3-dev)")
+    if not (shutil.which("g++") or shutil.which("c++")):
+        problems.append("no C++ compiler (Debian: apt-get install g++ make)")
+    if not shutil.which("make"):
+        problems.append("no 'make' (Debian: apt-get install make)")
+    if not shutil.which("cmake", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")):
+        problems.append("no cmake (3.13 or newer): pip install cmake, or your system's package")
+    for module in ("setuptools", "wheel"):
+        try:
+            __import__(module)
+        except ImportError:
+            problems.append(f"the Python module '{module}' is missing in {sys.prefix}: pip install {module}")
+    if plan.mpi and not shutil.which("mpicxx"):
+        problems.append("no mpicxx: the MPI controller needs OpenMPI with its headers (Debian: apt-get install "
+                        "openmpi-bin libopenmpi-dev); or build with Gloo alone (--no-mpi)")
+    for module in ("cloudpickle", "psutil", "yaml", "packaging"):
+        try:
+            __import__(module)
+        except ImportError:
+            problems.append(f"Horovod's runtime needs the Python module '{module}' (pip install "
+                            f"{'pyyaml' if module == 'yaml' else module})")
+    if problems:
+        die("cannot build Horovod here:\n  - " + "\n  - ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Build, cache, install
 
 
 def installed_key():
@@ -207,39 +486,29 @@ def installed_key():
 
 
 def horovod_importable():
-    probe = "import horovod.torch as hvd; hvd.mpi_built(); hvd.gloo_built()"
+    probe = "import horovod.torch as hvd; hvd.gloo_built()"
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
-def run(cmd, **kw):
-    log("  $ " + " ".join(str(c) for c in cmd))
-    subprocess.run(cmd, check=True, **kw)
-
-
-def build_wheel(gpu, info, out_dir):
+def build_wheel(plan, info, sdist, out_dir, offline):
     with tempfile.TemporaryDirectory(prefix="hvd-train-build-") as tmp:
         tmp = Path(tmp)
-        log(f"downloading the Horovod {HOROVOD_VERSION} sdist from PyPI")
-        run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-             f"horovod=={HOROVOD_VERSION}", "-d", str(tmp)])
-        sdist = tmp / f"horovod-{HOROVOD_VERSION}.tar.gz"
-        if not sdist.is_file():
-            die(f"pip did not download {sdist.name}; is PyPI reachable?")
         with tarfile.open(sdist) as tar:
             # The "data" filter refuses links and paths outside tmp; older Pythons lack it.
             tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         src = tmp / f"horovod-{HOROVOD_VERSION}"
         log(f"patching for torch {info['torch']} (C++{info['cxx_standard']})")
         apply_patches(src, info["cxx_standard"])
-        env = build_env(gpu, info["cxx_standard"], tmp)
-        log(f"compiling Horovod ({'NCCL + ' if gpu else ''}MPI + Gloo, PyTorch only); "
-            f"this takes about 6 minutes on 2 cores")
+        env = build_env(plan, tmp)
+        parts = (["NCCL"] if plan.gpu else []) + (["MPI"] if plan.mpi else []) + ["Gloo"]
+        log(f"compiling Horovod ({' + '.join(parts)}, PyTorch only); about 4 minutes on 2 cores, "
+            f"{'more for each GPU architecture' if plan.gpu else 'for the CPU build'}")
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist")]
         try:
-            run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"),
-                 str(src)], env=env)
+            run(cmd + (["--no-index"] if offline else []) + [str(src)], env=env)
         except subprocess.CalledProcessError:
             die("compiling Horovod failed (the compiler's error is above). Common causes: OpenMPI headers missing "
-                "(apt-get install libopenmpi-dev), an incomplete CUDA toolkit for --gpu.")
+                "(apt-get install libopenmpi-dev), Python's headers missing (python3-dev).")
         wheels = list((tmp / "dist").glob("horovod-*.whl"))
         if len(wheels) != 1:
             die(f"expected one Horovod wheel, found {wheels}")
@@ -249,27 +518,57 @@ def build_wheel(gpu, info, out_dir):
         shutil.copy2(wheels[0], partial)
         final = out_dir / wheels[0].name
         partial.rename(final)
-        (out_dir / "build-info.json").write_text(json.dumps(dict(info, gpu=gpu), indent=2))
+        toolkit = {"toolkit": str(plan.toolkit.root), "cuda": plan.toolkit.version,
+                   "toolkit_source": plan.toolkit.source, "archs": list(plan.archs)} if plan.gpu else {}
+        (out_dir / "build-info.json").write_text(json.dumps(dict(info, gpu=plan.gpu, mpi=plan.mpi, **toolkit),
+                                                            indent=2))
         return final
 
 
-def main():
+def plan_build(args, info):
+    if not args.gpu:
+        return BuildPlan(gpu=False, mpi=not args.no_mpi)
+    toolkit = find_toolkit(info["cuda"], args.offline, args.cuda_toolkit)
+    archs, note = choose_architectures(nvcc_architectures(toolkit.root / "bin" / "nvcc"),
+                                       os.environ.get("HOROVOD_BUILD_CUDA_CC_LIST"))
+    log(f"GPU architectures: {', '.join(f'sm_{cc}' for cc in archs)}" + (f" ({note})" if note else ""))
+    return BuildPlan(gpu=True, mpi=not args.no_mpi, toolkit=toolkit, archs=tuple(archs))
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpu", action="store_true", help="build NCCL GPU operations (needs a full CUDA toolkit)")
+    parser.add_argument("--gpu", action="store_true", help="build NCCL GPU operations")
+    parser.add_argument("--cuda-toolkit", choices=("auto", "system", "pypi"),
+                        default=os.environ.get("HVD_CUDA_TOOLKIT", "auto"),
+                        help="for --gpu: a complete system toolkit when there is one, else PyPI's (auto); or insist on "
+                        "one (default: $HVD_CUDA_TOOLKIT or auto)")
+    parser.add_argument("--no-mpi", action="store_true", help="Gloo controller only (where OpenMPI is missing)")
+    parser.add_argument("--sdist", help=f"a local {SDIST_NAME} instead of the cached or downloaded one")
+    parser.add_argument("--offline", action="store_true", help="never use the network (pip gets --no-index)")
     parser.add_argument("--force", action="store_true", help="rebuild even when a cached wheel exists")
     parser.add_argument("--python", help="ignored: the python running this script is the one built for")
+    parser.add_argument("--wheel-only", action="store_true", help="build (or find in the cache) the wheel and print "
+                        "its path, without installing it")
     parser.add_argument("--print-cache-dir", action="store_true", help="print where wheels are cached and exit")
-    args = parser.parse_args()
+    parser.add_argument("--print-sdist", action="store_true", help="print the cached sdist's path (fetching it "
+                        "unless --offline) and exit")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
     if args.print_cache_dir:
         print(cache_dir())
         return
+    if args.print_sdist:
+        print(obtain_sdist(args.sdist, args.offline))
+        return
 
-    if args.gpu:
-        check_gpu_toolchain()
     info = torch_info()
-    key = build_key(info, args.gpu)
+    plan = plan_build(args, info)
+    key = build_key(info, plan)
     log(f"torch {info['torch']} (CUDA {info['cuda']}), needs C++{info['cxx_standard']}; build key {key}")
-    if not args.force and installed_key() == key and horovod_importable():
+    if not args.force and not args.wheel_only and installed_key() == key and horovod_importable():
         log("Horovod is already installed from this build")
         return
 
@@ -279,9 +578,14 @@ def main():
         wheel = cached[-1]
         log(f"using the cached wheel {wheel}")
     else:
-        wheel = build_wheel(args.gpu, info, key_dir)
+        check_prerequisites(plan, args.offline)
+        sdist = obtain_sdist(args.sdist, args.offline)
+        wheel = build_wheel(plan, info, sdist, key_dir, args.offline)
         log(f"cached {wheel}")
-    run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)])
+    if args.wheel_only:
+        print(wheel)
+        return
+    run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--force-reinstall", str(wheel)])
     (Path(sys.prefix) / STAMP_NAME).write_text(key + "\n")
     if not horovod_importable():
         die(f"Horovod was installed from {wheel} but `import horovod.torch` fails; remove {key_dir} and run again")

@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # One-command setup for hvd-train. Called by `make setup` (and so by `make demo` / `make test`) and by the Docker images.
 #
-#   scripts/install.sh [--gpu | --cpu] [--venv DIR] [--no-apt]
+#   scripts/install.sh [--gpu | --cpu] [--venv DIR] [--no-apt] [--no-mpi]
+#   scripts/install.sh --python PATH [--horovod-sdist FILE] [--offline] [--gpu | --cpu] [--no-mpi]
 #
-# 1. checks the prerequisites (Python >= 3.9 with venv, a C++ compiler, make);
+# 1. checks the prerequisites (Python >= 3.9 with venv and its headers, a C++ compiler, make);
 # 2. installs OpenMPI with apt when mpirun or its headers are missing (as root), else says the exact command to run;
 # 3. creates the virtual environment (.venv in the checkout by default) and installs requirements.txt, pinned;
 # 4. builds Horovod 0.28.1 against that torch (scripts/build_horovod.py, cached outside the checkout) and installs it;
+#    --gpu adds NCCL, with a system CUDA toolkit when a complete one is found, else CUDA's compiler from PyPI;
 # 5. installs this checkout in editable mode (the `hvd-train` console script);
-# 6. checks `horovodrun --check-build` lists PyTorch, MPI and Gloo.
+# 6. checks `horovodrun --check-build` lists PyTorch, MPI and Gloo (and NCCL with --gpu).
 # Every step is skipped when already done, so running it again takes seconds.
+#
+# With --python PATH, an interpreter that already has torch (an NGC container, a site's own build) is used as it is:
+# no virtual environment, torch is never reinstalled, and Horovod is built against that torch. --offline never
+# touches the network (no apt, no pip download): give the Horovod sdist with --horovod-sdist, and for --gpu have a
+# CUDA toolkit (CUDA_HOME) or a cached PyPI one. --no-mpi builds the Gloo controller alone (no OpenMPI needed).
 #
 # Environment: HVD_GPU=1|0 (same as --gpu/--cpu; default: NCCL when nvidia-smi sees a GPU), HVD_VENV, PYTHON,
 # HVD_CACHE_DIR (where built Horovod wheels are kept; default ~/.cache/hvd-train), TMPDIR (where pip unpacks),
-# HVD_INSTALL_NEEDS_GB (free disk the first install asks for: the venv plus pip's downloads; default 10).
+# HVD_INSTALL_NEEDS_GB (free disk the first install asks for: the venv plus pip's downloads; default 10),
+# CUDA_HOME (a CUDA toolkit for --gpu), HOROVOD_BUILD_CUDA_CC_LIST (GPU architectures, e.g. 80,90).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,6 +29,10 @@ VENV=${HVD_VENV:-$ROOT/.venv}
 PYTHON=${PYTHON:-python3}
 GPU=${HVD_GPU:-auto}
 APT=1
+EXISTING=""     # --python: an interpreter whose torch is used as it is
+SDIST=""
+OFFLINE=0
+MPI=1
 
 step() { printf '\n==> %s\n' "$*"; }
 die() { printf '\ninstall.sh: error: %s\n' "$*" >&2; exit 1; }
@@ -31,7 +43,11 @@ while [ $# -gt 0 ]; do
         --cpu) GPU=0 ;;
         --venv) [ $# -ge 2 ] || die "--venv needs a directory"; VENV=$2; shift ;;
         --no-apt) APT=0 ;;
-        -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --no-mpi) MPI=0 ;;
+        --python) [ $# -ge 2 ] || die "--python needs the path of an interpreter that has torch"; EXISTING=$2; shift ;;
+        --horovod-sdist) [ $# -ge 2 ] || die "--horovod-sdist needs the path of horovod-0.28.1.tar.gz"; SDIST=$2; shift ;;
+        --offline) OFFLINE=1; APT=0 ;;
+        -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option '$1' (try --help)" ;;
     esac
     shift
@@ -42,16 +58,34 @@ case "$GPU" in
     *) die "HVD_GPU must be 1, 0 or auto, not '$GPU'" ;;
 esac
 
+if [ -n "$EXISTING" ]; then
+    PYTHON=$EXISTING
+    [ -x "$PYTHON" ] || PYTHON=$(command -v "$EXISTING" 2>/dev/null) || die "--python $EXISTING: no such interpreter"
+fi
+
 step "Checking prerequisites"
 command -v "$PYTHON" >/dev/null 2>&1 || die "no '$PYTHON' on PATH: install Python 3.9 or newer (Debian: apt-get install python3 python3-venv python3-dev), or set PYTHON=/path/to/python3"
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 9))' \
     || die "$("$PYTHON" --version 2>&1) is too old: hvd-train needs Python 3.9 or newer (set PYTHON=/path/to/python3)"
-"$PYTHON" -c 'import venv, ensurepip' 2>/dev/null \
-    || die "$PYTHON cannot create virtual environments: install its venv module (Debian: apt-get install python3-venv)"
+if [ -z "$EXISTING" ]; then
+    "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null \
+        || die "$PYTHON cannot create virtual environments: install its venv module (Debian: apt-get install python3-venv)"
+else
+    "$PYTHON" -c 'import torch' 2>/dev/null \
+        || die "--python $PYTHON: that interpreter cannot import torch; --python is for an environment that already has torch (without it, leave --python out and a venv with the pinned torch is made)"
+fi
+# Horovod's extension compiles against Python's headers; without them the build runs for minutes and then fails
+# with errors that seem to be about MPI or CUDA.
+py_h=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h
+py_ver=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+[ -f "$py_h" ] || die "Python's headers are missing ($py_h not found): Horovod is compiled against them. Install them (Debian/Ubuntu: apt-get install python$py_ver-dev, or python3-dev) and run this again."
 command -v g++ >/dev/null 2>&1 || command -v c++ >/dev/null 2>&1 \
     || die "no C++ compiler: Horovod is compiled from source (Debian: apt-get install g++ make)"
 command -v make >/dev/null 2>&1 || die "no 'make': Horovod is compiled from source (Debian: apt-get install make)"
-echo "python: $("$PYTHON" --version 2>&1), compiler: $( (g++ --version || c++ --version) 2>/dev/null | head -n1), GPU build: $([ "$GPU" = 1 ] && echo yes || echo no)"
+if [ -n "$SDIST" ] && [ ! -f "$SDIST" ]; then
+    die "--horovod-sdist $SDIST: no such file (fetch it where there is network: pip download --no-deps --no-binary :all: horovod==0.28.1)"
+fi
+echo "python: $("$PYTHON" --version 2>&1) ($PYTHON), compiler: $( (g++ --version || c++ --version) 2>/dev/null | head -n1), GPU build: $([ "$GPU" = 1 ] && echo yes || echo no), MPI: $([ "$MPI" = 1 ] && echo yes || echo no), offline: $([ "$OFFLINE" = 1 ] && echo yes || echo no)"
 
 step "Checking OpenMPI and ssh"
 # Horovod's MPI controller needs the MPI headers and wrappers at build time and mpirun at run time; ranks on other
@@ -68,7 +102,9 @@ elif [ "$can_apt" = 1 ]; then
 else
     echo "note: no ssh client or server: single-host runs work; multi-host runs need them (sudo $ssh_cmd)"
 fi
-if command -v mpirun >/dev/null 2>&1 && command -v mpicxx >/dev/null 2>&1; then
+if [ "$MPI" = 0 ]; then
+    echo "skipped (--no-mpi): Horovod is built with the Gloo controller alone; launch with horovodrun --gloo"
+elif command -v mpirun >/dev/null 2>&1 && command -v mpicxx >/dev/null 2>&1; then
     echo "found $(mpirun --version 2>/dev/null | head -n1)"
 else
     apt_cmd="apt-get install -y --no-install-recommends openmpi-bin libopenmpi-dev"
@@ -79,88 +115,121 @@ else
     else
         die "OpenMPI is missing (mpirun or mpicxx not found). Install it and run this again:
     sudo apt-get update && sudo $apt_cmd
-(other systems: install OpenMPI with its development headers, e.g. 'module load openmpi' on a cluster)"
+(other systems: install OpenMPI with its development headers, e.g. 'module load openmpi' on a cluster),
+or build with the Gloo controller alone: add --no-mpi"
     fi
 fi
 
-reqs_stamp="$VENV/.requirements.sha256"
-reqs_want=$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)
-reqs_done=0
-if [ -f "$reqs_stamp" ] && [ "$(cat "$reqs_stamp")" = "$reqs_want" ]; then reqs_done=1; fi
+if [ -n "$EXISTING" ]; then
+    VPY=$PYTHON
+    BINDIR=$(dirname "$("$VPY" -c 'import sys; print(sys.executable)')")
+    step "Using the existing torch of $VPY"
+    "$VPY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
+else
+    reqs_stamp="$VENV/.requirements.sha256"
+    reqs_want=$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)
+    reqs_done=0
+    if [ -f "$reqs_stamp" ] && [ "$(cat "$reqs_stamp")" = "$reqs_want" ]; then reqs_done=1; fi
+    if [ "$reqs_done" = 0 ] && [ "$OFFLINE" = 1 ]; then
+        die "--offline cannot create the virtual environment (its pinned packages come from PyPI): give --python PATH of an environment that already has torch, or run without --offline"
+    fi
 
-if [ "$reqs_done" = 0 ]; then
-    step "Checking disk space"
-    # torch's PyPI wheel brings its CUDA libraries: the venv takes about 6 GiB and pip unpacks about 3 GiB more in
-    # TMPDIR on the way. Running out half-way leaves a broken venv and a pip error far from the cause.
-    need=${HVD_INSTALL_NEEDS_GB:-10}
-    [[ "$need" =~ ^[0-9]+$ ]] || die "HVD_INSTALL_NEEDS_GB must be a whole number of GiB, not '$need'"
-    where=$VENV
-    while [ ! -d "$where" ]; do where=$(dirname "$where"); done
-    tmp=${TMPDIR:-/tmp}
-    free_gib() { df -Pk "$1" | awk 'NR == 2 { printf "%d", $4 / 1048576 }'; }
-    if [ "$(stat -c %d "$where")" = "$(stat -c %d "$tmp")" ]; then
-        free=$(free_gib "$where")
-        [ "$free" -ge "$need" ] || die "not enough disk space: installing needs about $need GiB on the disk of $where and $tmp, and $free GiB are free.
+    if [ "$reqs_done" = 0 ]; then
+        step "Checking disk space"
+        # torch's PyPI wheel brings its CUDA libraries: the venv takes about 6 GiB and pip unpacks about 3 GiB more in
+        # TMPDIR on the way. Running out half-way leaves a broken venv and a pip error far from the cause.
+        need=${HVD_INSTALL_NEEDS_GB:-10}
+        [[ "$need" =~ ^[0-9]+$ ]] || die "HVD_INSTALL_NEEDS_GB must be a whole number of GiB, not '$need'"
+        where=$VENV
+        while [ ! -d "$where" ]; do where=$(dirname "$where"); done
+        tmp=${TMPDIR:-/tmp}
+        free_gib() { df -Pk "$1" | awk 'NR == 2 { printf "%d", $4 / 1048576 }'; }
+        if [ "$(stat -c %d "$where")" = "$(stat -c %d "$tmp")" ]; then
+            free=$(free_gib "$where")
+            [ "$free" -ge "$need" ] || die "not enough disk space: installing needs about $need GiB on the disk of $where and $tmp, and $free GiB are free.
 Free some space there, or put the environment on a larger disk: scripts/install.sh --venv /big/disk/venv (with TMPDIR=/big/disk/tmp for pip's downloads)."
-        echo "$free GiB free (about $need GiB needed)"
-    else
-        free=$(free_gib "$where"); tmp_free=$(free_gib "$tmp"); tmp_need=$(( need * 3 / 10 ))
-        [ "$free" -ge $(( need - tmp_need )) ] || die "not enough disk space for the environment: it needs about $(( need - tmp_need )) GiB in $where, and $free GiB are free.
+            echo "$free GiB free (about $need GiB needed)"
+        else
+            free=$(free_gib "$where"); tmp_free=$(free_gib "$tmp"); tmp_need=$(( need * 3 / 10 ))
+            [ "$free" -ge $(( need - tmp_need )) ] || die "not enough disk space for the environment: it needs about $(( need - tmp_need )) GiB in $where, and $free GiB are free.
 Free some space there, or put it on a larger disk: scripts/install.sh --venv /big/disk/venv"
-        [ "$tmp_free" -ge "$tmp_need" ] || die "not enough disk space for pip's downloads: they need about $tmp_need GiB in $tmp, and $tmp_free GiB are free.
+            [ "$tmp_free" -ge "$tmp_need" ] || die "not enough disk space for pip's downloads: they need about $tmp_need GiB in $tmp, and $tmp_free GiB are free.
 Free some space there, or point TMPDIR at a larger disk: TMPDIR=/big/disk/tmp scripts/install.sh"
-        echo "$free GiB free in $where, $tmp_free GiB in $tmp (about $need GiB needed in all)"
+            echo "$free GiB free in $where, $tmp_free GiB in $tmp (about $need GiB needed in all)"
+        fi
+    fi
+
+    step "Creating the virtual environment in $VENV"
+    if [ -x "$VENV/bin/python" ]; then
+        echo "exists"
+    else
+        "$PYTHON" -m venv "$VENV" || die "could not create $VENV"
+    fi
+    VPY="$VENV/bin/python"
+    BINDIR="$VENV/bin"
+
+    step "Installing pinned requirements (requirements.txt)"
+    if [ "$reqs_done" = 1 ]; then
+        echo "up to date"
+    else
+        "$VPY" -m pip install -q --upgrade pip
+        # torch is pinned to the PyPI build; a local find-links folder with another build would not match the pin.
+        "$VPY" -m pip install -r "$ROOT/requirements.txt" || die "pip could not install requirements.txt (see the pip error above)"
+        echo "$reqs_want" >"$reqs_stamp"
     fi
 fi
-
-step "Creating the virtual environment in $VENV"
-if [ -x "$VENV/bin/python" ]; then
-    echo "exists"
-else
-    "$PYTHON" -m venv "$VENV" || die "could not create $VENV"
-fi
-VPY="$VENV/bin/python"
-# The venv's bin first on PATH: the Horovod build finds cmake there and horovodrun finds the venv's python.
-export PATH="$VENV/bin:$PATH"
-
-step "Installing pinned requirements (requirements.txt)"
-if [ "$reqs_done" = 1 ]; then
-    echo "up to date"
-else
-    "$VPY" -m pip install -q --upgrade pip
-    # torch is pinned to the PyPI build; a local find-links folder with another build would not match the pin.
-    "$VPY" -m pip install -r "$ROOT/requirements.txt" || die "pip could not install requirements.txt (see the pip error above)"
-    echo "$reqs_want" >"$reqs_stamp"
-fi
+# The environment's bin first on PATH: the Horovod build finds cmake there and horovodrun finds its python.
+export PATH="$BINDIR:$PATH"
 
 step "Building and installing Horovod"
-build_args=(--python "$VPY")
+build_args=()
 [ "$GPU" = 1 ] && build_args+=(--gpu)
+[ "$MPI" = 0 ] && build_args+=(--no-mpi)
+[ "$OFFLINE" = 1 ] && build_args+=(--offline)
+[ -n "$SDIST" ] && build_args+=(--sdist "$SDIST")
 "$VPY" "$ROOT/scripts/build_horovod.py" "${build_args[@]}"
 
 step "Installing hvd-train (editable)"
 # Keyed by setup.cfg: the editable install maps the modules listed there, so a new module needs a reinstall.
-stamp="$VENV/.editable.sha256"
+stamp="$("$VPY" -c 'import sys; print(sys.prefix)')/.hvd-train-editable.sha256"
 want=$(sha256sum "$ROOT/setup.cfg" | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -m pip show -q hvd-train >/dev/null 2>&1; then
     echo "installed"
 else
+    pip_flags=(-q --no-deps --no-build-isolation)
+    [ "$OFFLINE" = 1 ] && pip_flags+=(--no-index)
     # setuptools is chatty about editable installs; show its output only when it fails.
-    out=$("$VPY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" 2>&1) || die "pip install -e failed:
+    out=$("$VPY" -m pip install "${pip_flags[@]}" -e "$ROOT" 2>&1) || die "pip install -e failed:
 $out"
     echo "$want" >"$stamp"
     echo "installed the hvd-train console script"
 fi
-
-step "Checking the Horovod build (horovodrun --check-build)"
-report=$("$VENV/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed:
-$report"
-echo "$report"
-for want in PyTorch MPI Gloo; do
-    grep -qE "\[X\] $want\b" <<<"$report" || die "Horovod was built without $want (see the table above). Remove the cached wheel ($("$VPY" "$ROOT/scripts/build_horovod.py" --python "$VPY" --print-cache-dir)) and run this again."
-done
-if [ "$GPU" = 1 ]; then
-    grep -qE "\[X\] NCCL\b" <<<"$report" || die "a GPU build was asked for but Horovod lacks NCCL (see the table above)"
+if [ -n "$EXISTING" ]; then
+    # Nothing is installed into someone else's environment but Horovod and this checkout: say what the app lacks.
+    missing=$("$VPY" - <<'PY'
+import importlib.util
+wanted = {"numpy": "numpy", "yaml": "pyyaml", "tqdm": "tqdm", "psutil": "psutil", "sklearn": "scikit-learn",
+          "torchvision": "torchvision (torchvision models and image data sets)",
+          "tensorboard": "tensorboard (--logging.tensorboard)", "matplotlib": "matplotlib (curves.png)"}
+print(", ".join(name for module, name in wanted.items() if importlib.util.find_spec(module) is None))
+PY
+)
+    [ -z "$missing" ] || echo "note: this environment lacks $missing: pip install them, or carry their wheels when offline"
 fi
 
-step "Done: activate with 'source $VENV/bin/activate', or use 'make demo' / 'make test'"
+step "Checking the Horovod build (horovodrun --check-build)"
+report=$("$BINDIR/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed:
+$report"
+echo "$report"
+wanted=(PyTorch Gloo)
+[ "$MPI" = 1 ] && wanted+=(MPI)
+[ "$GPU" = 1 ] && wanted+=(NCCL)
+for want in "${wanted[@]}"; do
+    grep -qE "\[X\] $want\b" <<<"$report" || die "Horovod was built without $want (see the table above). Remove the cached wheel ($("$VPY" "$ROOT/scripts/build_horovod.py" --print-cache-dir)) and run this again."
+done
+
+if [ -n "$EXISTING" ]; then
+    step "Done: Horovod is installed for $VPY; run with $BINDIR/horovodrun"
+else
+    step "Done: activate with 'source $VENV/bin/activate', or use 'make demo' / 'make test'"
+fi

@@ -1,4 +1,7 @@
-"""The Horovod build script's pure parts: reading torch's C++ standard, patching the sdist, the cache key."""
+"""The Horovod build script's pure parts: torch's C++ standard, the patches, the CUDA toolkit and architectures it
+chooses, the sdist it accepts, the prerequisites it checks and the cache key."""
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -61,18 +64,130 @@ def test_a_source_tree_that_does_not_match_stops_instead_of_half_patching(tmp_pa
         build_horovod.apply_patches(tmp_path, 20)
 
 
-def test_cache_key_separates_torch_versions_and_gpu_builds():
-    cpu = build_horovod.build_key({"torch": "2.15.0"}, gpu=False)
-    assert cpu != build_horovod.build_key({"torch": "2.15.0"}, gpu=True)
-    assert cpu != build_horovod.build_key({"torch": "2.16.0"}, gpu=False)
-    assert f"cp{sys.version_info.major}{sys.version_info.minor}" in cpu
-    assert build_horovod.patch_fingerprint() in cpu
+def fake_toolkit(root, release="13.2", archs=(75, 80, 86, 87, 89, 90, 100, 110, 120, 121), complete=True):
+    """A directory shaped like a CUDA toolkit, whose nvcc is a script answering --version and --list-gpu-arch."""
+    nvcc = root / "bin" / "nvcc"
+    write(nvcc, "#!/bin/sh\n"
+                f"case \"$1\" in --version) echo 'Cuda compilation tools, release {release}, V{release}.1' ;;\n"
+                f"  --list-gpu-arch) printf '%s\\n' {' '.join(f'compute_{a}' for a in archs)} ;; esac\n")
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
+    if complete:
+        write(root / "include" / "cuda_runtime.h", "")
+        write(root / "lib64" / "libcudart.so", "")
+    return root
+
+
+def gpu_plan(root, archs=(80, 90), source="system"):
+    return build_horovod.BuildPlan(gpu=True, mpi=True, toolkit=build_horovod.Toolkit(Path(root), "13.2", source),
+                                   archs=tuple(archs))
+
+
+def test_default_architectures_are_volta_to_blackwell_less_what_the_toolkit_cannot_build():
+    archs, note = build_horovod.choose_architectures([75, 80, 86, 87, 89, 90, 100, 103, 110, 120, 121])
+    assert archs == [75, 80, 86, 89, 90, 100, 120]      # not every arch nvcc lists (87, 103, 110, 121)
+    assert "sm_70" in note and "Volta" in note            # CUDA 13 dropped Volta: the log says so
+    archs, note = build_horovod.choose_architectures([50, 60, 70, 75, 80, 86, 89, 90])   # a CUDA 12.4 nvcc
+    assert archs == [70, 75, 80, 86, 89, 90] and "sm_100" in note
+
+
+def test_cc_list_override_is_checked_against_the_toolkit():
+    assert build_horovod.choose_architectures([75, 80, 90], "90, 80")[0] == [80, 90]
+    with pytest.raises(SystemExit, match="does not build for \\[70\\]"):
+        build_horovod.choose_architectures([75, 80, 90], "70,80")
+    with pytest.raises(SystemExit, match="separated by commas"):
+        build_horovod.choose_architectures([75, 80, 90], "sm_80")
+
+
+def test_architectures_are_read_from_nvcc(tmp_path):
+    root = fake_toolkit(tmp_path / "cuda", archs=(75, 90, 120))
+    assert build_horovod.nvcc_architectures(root / "bin" / "nvcc") == [75, 90, 120]
+    assert build_horovod.nvcc_release(root / "bin" / "nvcc") == "13.2"
+
+
+def test_a_toolkit_without_runtime_headers_is_incomplete(tmp_path):
+    assert build_horovod.toolkit_missing(fake_toolkit(tmp_path / "full")) == []
+    missing = build_horovod.toolkit_missing(fake_toolkit(tmp_path / "nvcc-only", complete=False))
+    assert "include/cuda_runtime.h" in missing and "lib64/libcudart.so" in missing
+
+
+def test_explicit_cuda_home_is_used_or_refused_never_silently_replaced(tmp_path, monkeypatch):
+    monkeypatch.delenv("HOROVOD_CUDA_HOME", raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "ok")))
+    assert build_horovod.system_toolkit("13.2") == build_horovod.Toolkit(tmp_path / "ok", "13.2", "system")
+    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "partial", complete=False)))
+    with pytest.raises(SystemExit, match="not a complete CUDA toolkit: it lacks include/cuda_runtime.h"):
+        build_horovod.system_toolkit("13.2")
+    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "old", release="12.4")))
+    with pytest.raises(SystemExit, match="CUDA 12.4, but torch was built with CUDA 13.2"):
+        build_horovod.system_toolkit("13.2")
+
+
+def test_a_cpu_only_torch_cannot_make_a_gpu_build():
+    with pytest.raises(SystemExit, match="torch is CPU-only"):
+        build_horovod.find_toolkit(None, offline=True)
+
+
+def test_offline_without_a_toolkit_or_sdist_says_what_to_bring(tmp_path, monkeypatch):
+    monkeypatch.setenv("HVD_CACHE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="offline, and no complete CUDA 13 toolkit: set CUDA_HOME"):
+        build_horovod.pypi_toolkit("13.2", offline=True, why="")
+    with pytest.raises(SystemExit, match="offline and no Horovod sdist: pass --sdist"):
+        build_horovod.obtain_sdist(None, offline=True)
+
+
+def test_a_carried_sdist_must_be_horovod_0_28_1(tmp_path):
+    fake = tmp_path / "horovod-0.28.1.tar.gz"
+    fake.write_bytes(b"not the release")
+    with pytest.raises(SystemExit, match="is not PyPI's horovod-0.28.1.tar.gz"):
+        build_horovod.obtain_sdist(str(fake), offline=True)
+    with pytest.raises(SystemExit, match="no such file"):
+        build_horovod.obtain_sdist(str(tmp_path / "missing.tar.gz"), offline=True)
+
+
+def test_missing_python_headers_are_named_before_compiling(tmp_path, monkeypatch):
+    paths = dict(build_horovod.sysconfig.get_paths(), include=str(tmp_path / "no-headers"))
+    monkeypatch.setattr(build_horovod.sysconfig, "get_paths", lambda: paths)
+    with pytest.raises(SystemExit, match=r"Python's headers \(.*no-headers/Python.h\) are missing.*-dev"):
+        build_horovod.check_prerequisites(build_horovod.BuildPlan(gpu=False, mpi=False), offline=True)
+
+
+def test_cache_key_separates_torch_versions_builds_toolkits_and_architectures(tmp_path):
+    cpu = build_horovod.BuildPlan(gpu=False, mpi=True)
+    key = build_horovod.build_key({"torch": "2.15.0"}, cpu)
+    assert key != build_horovod.build_key({"torch": "2.16.0"}, cpu)
+    assert key != build_horovod.build_key({"torch": "2.15.0"}, build_horovod.BuildPlan(gpu=False, mpi=False))
+    assert f"cp{sys.version_info.major}{sys.version_info.minor}" in key
+    assert build_horovod.patch_fingerprint() in key
+    gpu = build_horovod.build_key({"torch": "2.15.0"}, gpu_plan(tmp_path))
+    assert gpu != key and "sm80-90" in gpu and "cuda13.2" in gpu
+    assert gpu != build_horovod.build_key({"torch": "2.15.0"}, gpu_plan(tmp_path, archs=(90,)))
+    assert gpu != build_horovod.build_key({"torch": "2.15.0"}, gpu_plan(tmp_path, source="pypi"))
+
+
+def test_gpu_build_environment_points_horovod_and_torch_at_the_chosen_toolkit(tmp_path, monkeypatch):
+    nccl = tmp_path / "nccl"
+    write(nccl / "include" / "nccl.h", "")
+    write(nccl / "lib" / "libnccl.so.2", "")
+    monkeypatch.setenv("HOROVOD_NCCL_HOME", str(nccl))
+    monkeypatch.setenv("CUDA_HOME", "/somewhere/else")
+    root = fake_toolkit(tmp_path / "cuda")
+    env = build_horovod.build_env(gpu_plan(root), work_dir=tmp_path)
+    assert env["HOROVOD_GPU_OPERATIONS"] == "NCCL" and env["HOROVOD_BUILD_CUDA_CC_LIST"] == "80,90"
+    assert env["HOROVOD_CUDA_HOME"] == env["CUDA_HOME"] == str(root)
+    assert os.path.realpath(Path(env["HOROVOD_NCCL_LIB"]) / "libnccl.so") == str(nccl / "lib" / "libnccl.so.2")
+    assert "HVD_TRAIN_TORCH_CPU_ONLY" not in env
 
 
 def test_cpu_build_environment_asks_for_pytorch_mpi_and_gloo_and_no_cuda(tmp_path):
-    env = build_horovod.build_env(gpu=False, cxx_standard=20, work_dir=tmp_path)
+    env = build_horovod.build_env(build_horovod.BuildPlan(gpu=False, mpi=True), work_dir=tmp_path)
     for var in ("HOROVOD_WITH_PYTORCH", "HOROVOD_WITH_MPI", "HOROVOD_WITH_GLOO", "HOROVOD_WITHOUT_TENSORFLOW",
                 "HOROVOD_WITHOUT_MXNET", "HVD_TRAIN_TORCH_CPU_ONLY"):
         assert env[var] == "1", var
     assert env["CMAKE_POLICY_VERSION_MINIMUM"] == "3.5"
     assert "HOROVOD_GPU_OPERATIONS" not in env
+
+
+def test_no_mpi_build_environment_asks_for_gloo_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOROVOD_WITH_MPI", "1")
+    env = build_horovod.build_env(build_horovod.BuildPlan(gpu=False, mpi=False), work_dir=tmp_path)
+    assert env["HOROVOD_WITHOUT_MPI"] == "1" and "HOROVOD_WITH_MPI" not in env and env["HOROVOD_WITH_GLOO"] == "1"

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# GPU acceptance run, for a GPU machine that may have no network: build Horovod with NCCL against the machine's own
+# torch from a carried sdist, then run the GPU tests and the one-GPU benchmark, and write its figures into
+# docs/benchmarks.md.
+#
+#   scripts/gpu_check.sh --horovod-sdist FILE [--python PATH] [--out DIR] [--rounds N] [--batch-size N]
+#
+#   1. checks a GPU is visible (nvidia-smi and torch.cuda) and stops otherwise;
+#   2. scripts/install.sh --python PATH --offline --gpu --horovod-sdist FILE: Horovod with NCCL against that torch,
+#      never reinstalling it (--no-mpi where OpenMPI is missing; the Gloo controller then serves the CPU side);
+#   3. checks `horovodrun --check-build` lists NCCL;
+#   4. runs the tests marked gpu (python -m pytest -m gpu);
+#   5. benchmarks the app against a bare PyTorch loop on one GPU (resnet50, AMP bf16 and fp16, channels-last;
+#      bench/gpu_acceptance.py) and writes the table into docs/benchmarks.md.
+# Every step's output goes to OUT/gpu_check.log (default runs/gpu_check); the last lines say which steps passed.
+# The exit code is 0 only when every step passed.
+#
+# Bring the sdist from a machine with network: pip download --no-deps --no-binary :all: horovod==0.28.1
+# (or `python scripts/build_horovod.py --print-sdist`, which prints the cached copy's path).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=python3
+SDIST=""
+OUT=$ROOT/runs/gpu_check
+ROUNDS=3
+BATCH=128
+
+die() { printf 'gpu_check.sh: error: %s\n' "$*" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --horovod-sdist) [ $# -ge 2 ] || die "--horovod-sdist needs a file"; SDIST=$2; shift ;;
+        --python) [ $# -ge 2 ] || die "--python needs an interpreter"; PY=$2; shift ;;
+        --out) [ $# -ge 2 ] || die "--out needs a directory"; OUT=$2; shift ;;
+        --rounds) [ $# -ge 2 ] || die "--rounds needs a number"; ROUNDS=$2; shift ;;
+        --batch-size) [ $# -ge 2 ] || die "--batch-size needs a number"; BATCH=$2; shift ;;
+        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) die "unknown option '$1' (try --help)" ;;
+    esac
+    shift
+done
+[ -n "$SDIST" ] || die "--horovod-sdist FILE is required: the GPU machine may have no network (see --help)"
+[ -f "$SDIST" ] || die "--horovod-sdist $SDIST: no such file"
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive whole number, not '$ROUNDS'"
+[[ "$BATCH" =~ ^[1-9][0-9]*$ ]] || die "--batch-size must be a positive whole number, not '$BATCH'"
+found=$(command -v "$PY") || die "--python: no interpreter '$PY'"
+PY=$found
+mkdir -p "$OUT" || die "cannot create $OUT"
+LOG=$OUT/gpu_check.log
+: >"$LOG"
+cd "$ROOT"
+
+results=()
+# Runs one step, its output to the terminal and the log; records PASS or FAIL with the step's name.
+step() {
+    local name=$1; shift
+    printf '\n==> %s\n$ %s\n' "$name" "$*" | tee -a "$LOG"
+    if "$@" 2>&1 | tee -a "$LOG"; then results+=("PASS  $name"); return 0; fi
+    results+=("FAIL  $name"); return 1
+}
+finish() {
+    printf '\n==> Summary (log: %s)\n' "$LOG" | tee -a "$LOG"
+    printf '%s\n' "${results[@]}" | tee -a "$LOG"
+    for r in "${results[@]}"; do [[ $r == PASS* ]] || exit 1; done
+    exit 0
+}
+
+gpu_visible() {
+    command -v nvidia-smi >/dev/null 2>&1 || { echo "no nvidia-smi: this is not a GPU machine (or the driver is missing)"; return 1; }
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || return 1
+    "$PY" -c 'import sys, torch
+print("torch", torch.__version__, "CUDA", torch.version.cuda, "GPUs", torch.cuda.device_count())
+sys.exit(0 if torch.cuda.is_available() else "torch sees no GPU (torch.cuda.is_available() is False)")'
+}
+step "GPU visible" gpu_visible || finish
+
+install_args=(--python "$PY" --offline --gpu --horovod-sdist "$SDIST")
+if ! command -v mpicxx >/dev/null 2>&1; then
+    echo "no mpicxx on this machine: building the Gloo controller alone (--no-mpi)" | tee -a "$LOG"
+    install_args+=(--no-mpi)
+fi
+step "Horovod with NCCL against this machine's torch (offline)" bash scripts/install.sh "${install_args[@]}" || finish
+
+BIN=$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")
+export PATH="$BIN:$PATH"
+nccl_listed() { "$BIN/horovodrun" --check-build | tee /dev/stderr | grep -qE '\[X\] NCCL'; }
+step "horovodrun --check-build lists NCCL" nccl_listed || finish
+
+step "GPU tests (pytest -m gpu)" "$PY" -m pytest -m gpu -v -p no:cacheprovider tests
+step "One-GPU benchmark: app against a bare loop" "$PY" bench/gpu_acceptance.py --rounds "$ROUNDS" \
+    --batch-size "$BATCH" --write-doc docs/benchmarks.md
+finish
