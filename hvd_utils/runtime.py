@@ -1,4 +1,5 @@
 """Horovod start-up: init, device pinning, CPU threads, and the rank facts the rest of the app asks for."""
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, tune=True):
         device = torch.device("cpu")
         # Every rank on a host would otherwise start one thread per core: N ranks on N cores run N*N threads.
         # An explicit OMP_NUM_THREADS wins (torch reads it itself).
-        threads = max(1, (os.cpu_count() or 1) // hvd.local_size())
+        threads = max(1, usable_cpus() // hvd.local_size())
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
             threads = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -113,6 +114,39 @@ def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, tune=True):
         rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size(),
         device=device, threads=threads, controller=controller(), tensor_ops=tensor_ops(device),
         fusion_threshold_mb=tuning["fusion_threshold_mb"], cycle_time_ms=tuning["cycle_time_ms"])
+
+
+def cgroup_cpu_limit(root="/sys/fs/cgroup"):
+    """The CPUs a cgroup quota allows this process (`docker run --cpus 1.5` gives 2), or None without a quota.
+
+    cgroup v2 writes "QUOTA PERIOD" or "max PERIOD" in cpu.max; v1 has cpu.cfs_quota_us (-1: none) and
+    cpu.cfs_period_us. The process's own cgroup is the mount's root inside a container, which is where quotas bite.
+    """
+    def read(name):
+        try:
+            with open(os.path.join(root, name)) as f:
+                return f.read().split()
+        except (OSError, ValueError):
+            return None
+
+    v2 = read("cpu.max")
+    if v2 and len(v2) == 2 and v2[0] != "max":
+        quota, period = int(v2[0]), int(v2[1])
+    else:
+        quota, period = (read("cpu/cpu.cfs_quota_us") or read("cpu.cfs_quota_us") or ["-1"]), \
+            (read("cpu/cpu.cfs_period_us") or read("cpu.cfs_period_us") or ["0"])
+        quota, period = int(quota[0]), int(period[0])
+    if quota <= 0 or period <= 0:
+        return None
+    return max(1, math.ceil(quota / period))
+
+
+def usable_cpus():
+    """The CPUs this process may really run on: its affinity (taskset, a batch system's binding, `docker run
+    --cpuset-cpus`) and its container's CPU quota, not os.cpu_count(), which reports every core of the host."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = cgroup_cpu_limit()
+    return min(cpus, limit) if limit else cpus
 
 
 def launcher_rank():

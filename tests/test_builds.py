@@ -35,9 +35,9 @@ def check_build_lists(report, *names):
         assert f"[X] {name}" in report, f"{name} missing from horovodrun --check-build:\n{report}"
 
 
-def train_digits(launcher_cmd, out_dir, env, epochs=4):
-    """A real training run of the digits; returns its summary (the app itself checks the ranks end identical)."""
-    run(launcher_cmd + ["train_hvd.py", "--epochs", epochs, "--output-dir", out_dir, "--logging.tensorboard=false",
+def train_digits(launcher_cmd, out_dir, env):
+    """The default digits run (15 epochs); returns its summary (the app itself checks the ranks end identical)."""
+    run(launcher_cmd + ["train_hvd.py", "--output-dir", out_dir, "--logging.tensorboard=false",
                         "--logging.plot=false"], env=env)
     return json.loads((Path(out_dir) / "summary.json").read_text())
 
@@ -77,7 +77,7 @@ def test_nccl_build_trains_the_digits_on_cpus(nccl_build, tmp_path, controller):
     horovodrun = [Path(sys.executable).parent / "horovodrun", "-np", "2", "-H", "localhost:2", controller,
                   sys.executable]
     summary = train_digits(horovodrun, tmp_path / "run", env)
-    assert summary["world_size"] == 2 and summary["params_in_sync"] and summary["best_val_acc1"] >= 95.0, summary
+    assert summary["world_size"] == 2 and summary["params_in_sync"] and summary["final_val_acc1"] >= 97.0, summary
 
 
 TORCH_213 = "torch==2.13.0"
@@ -107,14 +107,17 @@ def _base_python():
 
 
 def offline_shell():
-    """A command prefix that runs in a new network namespace: no interface but a down loopback, so any attempt to
-    reach PyPI fails at once."""
-    if shutil.which("unshare") is None:
-        pytest.skip("unshare (util-linux) is missing: cannot run the build without network")
-    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
+    """A command prefix that runs in a new network namespace whose only interface is loopback, as on an offline
+    machine: any attempt to reach PyPI fails at once. (OpenMPI's compiler wrapper needs some interface to exist.)"""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("unshare (util-linux) or ip (iproute2) is missing: cannot run the build without network")
+    prefix = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "offline"]
+    probe = subprocess.run(prefix + ["python3", "-c", "import socket; socket.create_connection(('pypi.org', 443), 5)"],
+                           capture_output=True, text=True)
+    if "Operation not permitted" in probe.stderr or "unshare failed" in probe.stderr:
         pytest.skip(f"cannot make a network namespace here (needs root): {probe.stderr.strip()}")
-    return ["unshare", "--net"]
+    assert probe.returncode != 0, "PyPI is reachable from inside the namespace: it is not offline"
+    return prefix
 
 
 def test_offline_build_against_an_installed_torch_2_13_then_a_2_rank_job(torch_213_env, tmp_path):
@@ -136,4 +139,4 @@ def test_offline_build_against_an_installed_torch_2_13_then_a_2_rank_job(torch_2
 
     horovodrun = [py.parent / "horovodrun", "-np", "2", "-H", "localhost:2", py]
     summary = train_digits(horovodrun, tmp_path / "run", env)
-    assert summary["world_size"] == 2 and summary["params_in_sync"] and summary["best_val_acc1"] >= 95.0, summary
+    assert summary["world_size"] == 2 and summary["params_in_sync"] and summary["final_val_acc1"] >= 97.0, summary

@@ -49,12 +49,18 @@ def test_killing_the_checkpoint_writer_at_any_moment_leaves_a_loadable_checkpoin
     rng, last_epoch = random.Random(0), 0
     for attempt in range(12):
         writer = subprocess.Popen([sys.executable, str(WORKERS / "checkpoint_writer.py"), str(tmp_path),
-                                   str(last_epoch + 1)], env=job_env(), cwd=ROOT)
-        time.sleep(1.0 + rng.random() * 1.5)  # past start-up, then anywhere inside a write
+                                   str(last_epoch + 1)], env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        # Wait for one whole write (start-up is over and this machine's time for a write is known), then for the
+        # next write to begin, and kill the writer at a random moment inside it.
+        assert writer.stdout.readline().startswith("writing")
+        began = time.perf_counter()
+        assert writer.stdout.readline().startswith("saved")
+        write_seconds = time.perf_counter() - began
+        assert writer.stdout.readline().startswith("writing")
+        time.sleep(rng.random() * write_seconds)
         writer.kill()
         writer.wait()
-        if not (tmp_path / "last.pt").exists():
-            continue
+        writer.stdout.close()
         last = checkpoint.load(str(tmp_path / "last.pt"))
         assert last["epoch"] >= last_epoch
         assert torch.equal(last["model"]["w"][:3] - last["epoch"], torch.load(

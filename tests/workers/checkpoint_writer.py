@@ -1,6 +1,8 @@
 """Writes checkpoints of ~8 MB as fast as it can, epoch after epoch, until it is killed.
 
     checkpoint_writer.py DIR START_EPOCH
+
+Prints "writing N" before and "saved N" after each checkpoint, so a test can kill it inside a write it knows of.
 """
 import sys
 
@@ -14,8 +16,10 @@ def main(directory, start):
     weights = torch.randn(2_000_000)
     epoch = start
     while True:
+        print(f"writing {epoch}", flush=True)
         saver.save({"version": checkpoint.VERSION, "epoch": epoch, "model": {"w": weights + epoch}}, epoch,
                    is_best=epoch % 2 == 0)
+        print(f"saved {epoch}", flush=True)
         epoch += 1
 
 
