@@ -18,7 +18,7 @@ import hvd_utils
 from checkpoint import CheckpointError
 from data import DATASETS, DataInfo
 from lifecycle import build_distributed_optimizer, build_model_on
-from models import MODELS as SMALL_MODELS, model_task
+from models import MODELS as SMALL_MODELS, is_channels_last, model_task
 from reporting import read_json_or_none, seconds_since_start, write_json
 from tasks import TASKS
 
@@ -31,6 +31,8 @@ def synthetic_batch(cfg, info, device):
     n = cfg.optim.batch_size * cfg.horovod.batches_per_allreduce
     images = torch.rand(n, info.in_channels, info.image_size, info.image_size, generator=gen)
     labels = torch.randint(0, info.num_classes, (n,), generator=gen)
+    if cfg.model.channels_last:  # as an input pipeline would deliver it; the model would convert it every step
+        images = images.contiguous(memory_format=torch.channels_last)
     return images.to(device), labels.to(device)
 
 
@@ -89,9 +91,10 @@ def run_benchmark(cfg, rt):
     scaler = torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None
     hvd_utils.broadcast_state(model, optimizer, root_rank=0)
     log.info("benchmark: model %s, %dx%dx%d images, batch %d per rank x %d rank(s), %d warm-up steps, %d "
-             "iterations of %d steps; device %s, %d CPU thread(s) per rank, controller %s, amp %s", cfg.model.name,
+             "iterations of %d steps; device %s, %d CPU thread(s) per rank, controller %s, amp %s%s", cfg.model.name,
              channels, info.image_size, info.image_size, cfg.optim.batch_size, rt.size, b.num_warmup_batches,
-             b.num_iters, b.num_batches_per_iter, rt.device, rt.threads, rt.controller, cfg.optim.amp)
+             b.num_iters, b.num_batches_per_iter, rt.device, rt.threads, rt.controller, cfg.optim.amp,
+             ", channels-last" if cfg.model.channels_last else "")
 
     rates = time_iterations(model, task, optimizer, scheduler, synthetic_batch(cfg, info, rt.device), rt.device,
                             warmup=b.num_warmup_batches, iters=b.num_iters, batches_per_iter=b.num_batches_per_iter,
@@ -115,6 +118,7 @@ def run_benchmark(cfg, rt):
             "batches_per_allreduce": cfg.horovod.batches_per_allreduce, "world_size": rt.size,
             "local_size": rt.local_size, "device": str(rt.device), "threads_per_rank": rt.threads,
             "controller": rt.controller, "tensor_ops": rt.tensor_ops, "amp": cfg.optim.amp,
+            "channels_last": is_channels_last(model),  # the weights' layout as trained, not just the setting
             "fusion_threshold_mb": rt.fusion_threshold_mb, "cycle_time_ms": rt.cycle_time_ms,
             "fp16_allreduce": cfg.horovod.fp16_allreduce, "num_warmup_batches": b.num_warmup_batches,
             "num_iters": b.num_iters, "num_batches_per_iter": b.num_batches_per_iter, **figures,

@@ -61,6 +61,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = "small_cnn"     # small_cnn, vae, or any torchvision classification model (resnet18, resnet50, ...)
+    channels_last: bool = False  # weights and batches in channels-last (NHWC) memory: faster --amp convolutions on GPUs
 
 
 @dataclass
@@ -208,6 +209,9 @@ class Config:
                  self.horovod.use_adasum, "cannot be combined with --amp fp16: the gradient scaler needs averaged "
                  "gradients, which Adasum does not produce; use --amp bf16")
 
+        _require(not (self.model.channels_last and self.horovod.elastic), "model.channels_last (--channels-last)",
+                 True, "cannot be combined with --elastic: Horovod's elastic state broadcasts the weights as they "
+                 "are, and its collectives take only tensors in the default layout")
         _require(not (self.benchmark.enabled and (self.run.evaluate or self.horovod.elastic)),
                  "benchmark.enabled (--benchmark)", True, "times training steps on its own: leave out --evaluate "
                  "and --elastic")
@@ -230,6 +234,7 @@ ALIASES = {
     "overwrite": "run.overwrite",
     "device": "run.device",
     "model": "model.name",
+    "channels-last": "model.channels_last",
     "dataset": "data.dataset",
     "data-dir": "data.data_dir",
     "download": "data.download",

@@ -12,7 +12,7 @@ import hvd_utils
 from checkpoint import VERSION
 from config import ConfigError
 from data import DATASETS, build_datasets, download_fn
-from models import MODELS, build_model, model_names
+from models import MODELS, build_model, model_names, to_channels_last
 from reporting import build_summary, seconds_since_start, write_json
 from tasks import improved, reached
 
@@ -51,14 +51,20 @@ def check_shards(num_train, world_size, batch_per_step):
 
 
 def build_model_on(cfg, info, device):
-    """The configured model for info's images, on `device` (with hvd.SyncBatchNorm layers under --sync-bn)."""
+    """The configured model for info's images, on `device` (with hvd.SyncBatchNorm layers under --sync-bn, laid
+    out channels-last under --channels-last)."""
     try:
         model = build_model(cfg.model.name, info.in_channels, info.num_classes, info.image_size)
     except ValueError as e:  # e.g. an image size the model cannot take: a setting to change, not a crash
         raise ConfigError(str(e)) from None
     if cfg.horovod.sync_bn:
         model = hvd_utils.sync_batch_norm(model)
-    return model.to(device)
+    if cfg.model.channels_last:
+        try:
+            model = to_channels_last(model)
+        except ValueError as e:
+            raise ConfigError(f"model.channels_last (--channels-last): {cfg.model.name}: {e}; leave it off") from None
+    return model.to(device)  # keeps the weights' layout
 
 
 def build_distributed_optimizer(cfg, model, world_size):
@@ -123,10 +129,10 @@ def log_setup(cfg, rt, info, task, model, lr_scale, lr, resumed_epoch):
              info.num_train, info.num_val, info.in_channels, info.image_size, info.image_size, cfg.model.name,
              task.name, sum(p.numel() for p in model.parameters()) / 1e6)
     log.info("batch %d per rank x %d ranks x %d per allreduce = %d global; lr %g base x %d = %g, %s schedule, "
-             "%g warmup epochs; amp %s%s", cfg.optim.batch_size, rt.size, accumulate,
+             "%g warmup epochs; amp %s%s%s", cfg.optim.batch_size, rt.size, accumulate,
              cfg.optim.batch_size * rt.size * accumulate, cfg.optim.lr, lr_scale, lr, cfg.optim.lr_schedule,
-             cfg.optim.warmup_epochs, cfg.optim.amp, f"; resuming after epoch {resumed_epoch}" if resumed_epoch
-             else "")
+             cfg.optim.warmup_epochs, cfg.optim.amp, ", channels-last" if cfg.model.channels_last else "",
+             f"; resuming after epoch {resumed_epoch}" if resumed_epoch else "")
 
 
 def evaluate_only(cfg, rt, model, task, val_loader, path, fits):

@@ -25,6 +25,10 @@ def step_args(description):
     p.add_argument("--classes", type=int, default=10, help="number of classes")
     p.add_argument("--batch-size", type=int, default=32, help="samples per process per step")
     p.add_argument("--lr", type=float, default=0.025, help="SGD learning rate (momentum 0.9), as the app's default")
+    p.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off",
+                   help="as the app's --amp: bf16 autocast, or fp16 autocast with a gradient scaler (GPU)")
+    p.add_argument("--channels-last", action="store_true",
+                   help="as the app's --channels-last: weights and batch in channels-last (NHWC) memory")
     p.add_argument("--num-warmup-batches", type=int, default=10, help="untimed steps first")
     p.add_argument("--num-iters", type=int, default=10, help="timed iterations")
     p.add_argument("--num-batches-per-iter", type=int, default=10, help="steps per timed iteration")
@@ -38,35 +42,59 @@ def threads_for(requested, processes_per_host):
     return requested or max(1, (os.cpu_count() or 1) // processes_per_host)
 
 
-def fixed_batch(torch, args, seed=0):
+def fixed_batch(torch, args, seed=0, device="cpu"):
+    """The one batch every step trains on, on `device` (channels-last with --channels-last, as the app's)."""
     gen = torch.Generator().manual_seed(seed)
     images = torch.rand(args.batch_size, args.channels, args.image_size, args.image_size, generator=gen)
     labels = torch.randint(0, args.classes, (args.batch_size,), generator=gen)
-    return images, labels
+    if args.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    return images.to(device), labels.to(device)
 
 
-def sgd_step(model, optimizer, images, labels):
-    """The plain training step both peers time: forward, cross-entropy, backward, optimizer step."""
+def sgd_step(model, optimizer, images, labels, amp="off"):
+    """The plain training step the peers time: forward (under autocast with amp bf16 or fp16), cross-entropy,
+    backward, optimizer step; fp16 scales the loss and steps through a gradient scaler, as the app does."""
+    import contextlib
+
+    import torch
     import torch.nn.functional as F
 
     model.train()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    scaler = torch.amp.GradScaler(images.device.type) if amp == "fp16" else None
+
+    def autocast():
+        return torch.autocast(images.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(images), labels).backward()
-        optimizer.step()
+        with autocast():
+            loss = F.cross_entropy(model(images), labels)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
     return step
 
 
-def timed_rates(step, samples_per_step, warmup, iters, steps_per_iter):
-    """Samples/s of each timed iteration of `steps_per_iter` calls to step(), after `warmup` untimed calls."""
+def timed_rates(step, samples_per_step, warmup, iters, steps_per_iter, sync=None):
+    """Samples/s of each timed iteration of `steps_per_iter` calls to step(), after `warmup` untimed calls.
+    sync() (a GPU's torch.cuda.synchronize) runs before each reading of the clock, so queued work counts where it
+    belongs."""
+    sync = sync or (lambda: None)
     for _ in range(warmup):
         step()
     rates = []
     for _ in range(iters):
+        sync()
         start = time.perf_counter()
         for _ in range(steps_per_iter):
             step()
+        sync()
         rates.append(samples_per_step * steps_per_iter / (time.perf_counter() - start))
     return rates
 

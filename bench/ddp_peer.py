@@ -1,8 +1,8 @@
 """The peer: PyTorch DistributedDataParallel over Gloo, launched with torchrun, as one would write it by hand.
 
-Same model, per-rank batch, optimizer and threads per rank as `train_hvd.py --benchmark`; written to be fast, not to
-lose: gradients bucketed and allreduced during backward (DDP's default 25 MB buckets), buckets as views of the
-gradients (no copy), gradients set to None between steps, the batch in memory.
+Same model, per-rank batch, optimizer, precision, memory format and threads per rank as `train_hvd.py --benchmark`;
+written to be fast, not to lose: gradients bucketed and allreduced during backward (DDP's default 25 MB buckets),
+buckets as views of the gradients (no copy), gradients set to None between steps, the batch in memory.
 
     torchrun --standalone --nproc-per-node 2 bench/ddp_peer.py --model resnet18 --image-size 32 --batch-size 32
 """
@@ -17,16 +17,21 @@ from models import build_model
 
 
 def main():
-    args = step_args(__doc__.splitlines()[0]).parse_args()
+    parser = step_args(__doc__.splitlines()[0])
+    args = parser.parse_args()
+    if args.amp == "fp16":
+        parser.error("--amp fp16 needs a GPU, and this peer runs on CPUs over Gloo (as in the app: use bf16)")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     threads = threads_for(args.threads, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     torch.set_num_threads(threads)
     torch.manual_seed(0)  # the same initial weights everywhere; DDP also broadcasts rank 0's at construction
-    model = DistributedDataParallel(build_model(args.model, args.channels, args.classes, args.image_size),
-                                    gradient_as_bucket_view=True)
+    model = build_model(args.model, args.channels, args.classes, args.image_size)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model = DistributedDataParallel(model, gradient_as_bucket_view=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * world, momentum=0.9)
-    step = sgd_step(model, optimizer, *fixed_batch(torch, args, seed=rank))
+    step = sgd_step(model, optimizer, *fixed_batch(torch, args, seed=rank), amp=args.amp)
     rates = timed_rates(step, args.batch_size, args.num_warmup_batches, args.num_iters, args.num_batches_per_iter)
     gathered = [None] * world
     dist.all_gather_object(gathered, rates)

@@ -1,4 +1,11 @@
-"""Wrapping the optimizer, the synchronize-then-step pattern, and making every rank start from rank 0's state."""
+"""Wrapping the optimizer, the synchronize-then-step pattern, and making every rank start from rank 0's state.
+
+Horovod's collectives take only contiguous tensors, and the weights of a channels-last model (--channels-last), with
+their gradients and optimizer state, are not: the helpers here hand Horovod those in the default layout and put
+the results back in the tensors' own.
+"""
+import contextlib
+
 import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedAdasumOptimizer
@@ -18,12 +25,36 @@ def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allred
     The wrapper is a new optimizer over the same parameters; state loaded into the old one is not carried over,
     so load checkpoints into the returned optimizer.
     """
+    compression = hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none
+    if _has_strided_weights(model):
+        compression = _SentContiguous(compression)
     return hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(),
-        compression=hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none,
+        optimizer, named_parameters=model.named_parameters(), compression=compression,
         backward_passes_per_step=batches_per_allreduce,
         op=hvd.Adasum if use_adasum else hvd.Average,
         gradient_predivide_factor=gradient_predivide_factor)
+
+
+def _has_strided_weights(model):
+    return any(not p.is_contiguous() for p in model.parameters())
+
+
+class _SentContiguous:
+    """A Horovod compression around another: the gradient goes out as a contiguous copy (through `inner`) and the
+    averaged result comes back in the gradient's own layout (channels-last), so the optimizer steps with weights,
+    gradients and state laid out alike (torch's multi-tensor step falls back to a slow loop otherwise)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def compress(self, tensor):
+        sent, ctx = self.inner.compress(tensor.contiguous())
+        return sent, (ctx, None if tensor.is_contiguous() else tensor)
+
+    def decompress(self, tensor, ctx):
+        inner_ctx, original = ctx
+        result = self.inner.decompress(tensor, inner_ctx)
+        return result if original is None else torch.empty_like(original).copy_(result)
 
 
 def _is_adasum(optimizer):
@@ -56,8 +87,40 @@ def broadcast_state(model, optimizer, root_rank=0):
     The optimizer state goes first: on a rank with empty state, Horovod initialises it with one zero-gradient step,
     which moves parameters under weight decay; broadcasting the parameters afterwards undoes that.
     """
-    hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+    with default_layout(model, optimizer):
+        hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+
+
+@contextlib.contextmanager
+def default_layout(model, optimizer=None):
+    """For Horovod's broadcasts: a channels-last model's weights, and the optimizer's state, in the default layout
+    inside the block; after it the weights are channels-last again and the state follows its parameter's layout.
+    The state is also laid out like its parameters before the block, as one loaded from a checkpoint of a run with
+    the other layout may not be."""
+    channels_last = any(p.dim() == 4 and not p.is_contiguous() and p.is_contiguous(memory_format=torch.channels_last)
+                        for p in model.parameters())
+    if channels_last:
+        model.to(memory_format=torch.contiguous_format)  # the same Parameter objects: the optimizer still holds them
+    _match_parameter_layout(optimizer)
+    try:
+        yield
+    finally:
+        if channels_last:
+            model.to(memory_format=torch.channels_last)
+            _match_parameter_layout(optimizer)
+
+
+def _match_parameter_layout(optimizer):
+    """Give every state tensor shaped like its parameter (momentum, Adam's moments) the parameter's strides."""
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == p.shape and value.stride() != p.stride():
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
 
 
 def sync_batch_norm(model):

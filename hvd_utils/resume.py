@@ -2,6 +2,7 @@
 import horovod.torch as hvd
 
 import checkpoint
+from hvd_utils.optim import default_layout
 
 
 def decide_on_root(fn, name):
@@ -76,9 +77,10 @@ def load_weights(path, model, expect, optimizer=None):
         return {k: ckpt.get(k) for k in ("epoch", "step", "best_metric", "best_epoch", "history")}
 
     meta = decide_on_root(load_on_root, "weights")
-    if optimizer is not None:
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    with default_layout(model, optimizer):  # Horovod takes channels-last weights in the default layout only
+        if optimizer is not None:
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     return meta
 
 

@@ -23,7 +23,7 @@ def test_benchmark_mode_reports_images_per_second_per_rank_and_in_total(tmp_path
     assert s["mode"] == "benchmark" and s["world_size"] == 2 and s["image_size"] == 12
     by_rank = s["img_per_sec_by_rank"]
     assert len(by_rank) == 2 and all(len(r) == 3 and min(r) > 0 for r in by_rank)  # every rank's iterations
-    flat = torch.tensor(by_rank).flatten()
+    flat = torch.tensor(by_rank, dtype=torch.float64).flatten()  # the app sums in double precision too
     assert s["img_per_sec_per_rank"] == pytest.approx(flat.mean().item())
     assert s["img_per_sec_per_rank_ci95"] == pytest.approx(1.96 * flat.std(unbiased=False).item())
     assert s["img_per_sec_total"] == pytest.approx(sum(sum(r) / len(r) for r in by_rank))
@@ -175,3 +175,38 @@ def test_bench_refuses_unknown_sections():
     proc = subprocess.run([sys.executable, "bench/run.py", "--sections", "overhead,speed"], cwd=ROOT,
                           env=job_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown speed" in proc.stderr
+
+
+def test_gpu_acceptance_pipeline_on_the_cpu_writes_its_doc_section_once(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    original = (ROOT / "docs" / "benchmarks.md").read_text()
+    doc.write_text(original)
+    begin, end = "<!-- bench/gpu_acceptance.py: begin", "<!-- bench/gpu_acceptance.py: end -->"
+    cmd = [sys.executable, "bench/gpu_acceptance.py", "--device", "cpu", "--model", "small_cnn", "--image-size", "32",
+           "--batch-size", "16", "--rounds", "1", "--quick", "--write-doc", str(doc), "--out", str(tmp_path / "r.json")]
+    for _ in range(2):  # the second run replaces the first one's section
+        proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        text = doc.read_text()
+        assert text.count(begin) == text.count(end) == text.count("## GPU: one-GPU overhead") == 1
+        # Everything outside the section stays as it was.
+        assert text[:text.index(begin)] == original[:original.index(begin)]
+        assert text[text.index(end):] == original[original.index(end):]
+    result = read_json(tmp_path / "r.json")
+    assert [row["figure"] for row in result["rows"]] == ["small_cnn 32px, batch 16, --amp bf16 --channels-last"]
+    row = result["rows"][0]
+    assert row["a"]["median"] > 0 and row["b"]["median"] > 0 and row["ratio"]["n"] == 1
+    assert row["ratio"]["median"] == pytest.approx(row["a"]["median"] / row["b"]["median"])
+    section = text[text.index(begin):text.index(end)]
+    assert "| small_cnn 32px, batch 16, --amp bf16 --channels-last |" in section and "driver " in section
+    assert f"torch {torch.__version__}" in section and "`python bench/gpu_acceptance.py --device cpu" in section
+    assert "fp16 needs a GPU" in proc.stdout  # left out on the CPU, and said so
+
+    # A file without the section gets it appended, once however often it is written.
+    code = ("import sys; sys.path.insert(0, 'bench'); import gpu_acceptance as g; "
+            "[g.write_doc(sys.argv[1], g.BEGIN + '\\n## x ' + str(i) + '\\n' + g.END) for i in range(2)]")
+    plain = tmp_path / "plain.md"
+    plain.write_text("# Benchmarks\n\nsome text\n")
+    subprocess.run([sys.executable, "-c", code, str(plain)], cwd=ROOT, env=job_env(), check=True, timeout=120)
+    assert plain.read_text().startswith("# Benchmarks\n\nsome text\n\n<!-- bench/gpu_acceptance.py: begin")
+    assert plain.read_text().count(begin) == 1 and "## x 1" in plain.read_text() and "## x 0" not in plain.read_text()

@@ -1,6 +1,7 @@
 """One optimizer step through hvd-train's own pieces; rank r trains on samples [r*B, (r+1)*B) of the digits.
 
     grad_step.py OUT_FILE BATCH_PER_RANK [--accumulate N] [--fp16-allreduce] [--adasum] [--predivide F]
+                 [--channels-last]
 
 Rank 0 saves the parameters after the step to OUT_FILE. With 2 ranks and batch B, and with 1 rank and batch 2B,
 both runs see the same 2B samples; averaged gradients make the two results equal. Plain SGD without momentum
@@ -13,7 +14,7 @@ import torch
 import engine
 import hvd_utils
 from data.digits import load_digits_dataset
-from models import build_model
+from models import build_model, to_channels_last
 from tasks import TASKS
 
 
@@ -25,11 +26,14 @@ def main():
     parser.add_argument("--fp16-allreduce", action="store_true")
     parser.add_argument("--adasum", action="store_true")
     parser.add_argument("--predivide", type=float, default=1.0)
+    parser.add_argument("--channels-last", action="store_true")
     args = parser.parse_args()
 
     rt = hvd_utils.init()
     torch.manual_seed(0)
     model = build_model("small_cnn", 1, 10, 8)
+    if args.channels_last:
+        to_channels_last(model)
     model.eval()  # no dropout: the comparison must not depend on per-rank random masks
     optimizer = hvd_utils.distributed_optimizer(
         torch.optim.SGD(model.parameters(), lr=0.5), model, batches_per_allreduce=args.accumulate,
