@@ -96,6 +96,8 @@ def epoch_end_handler(cfg, task, model, optimizer, scheduler, scaler, state, fit
     Returns true when the --stop-at target is reached, which ends training after this epoch."""
     def on_epoch_end(epoch, record):
         record["wall_seconds"] = seconds_since_start()  # time to accuracy, counted from process start
+        if state["history"] and state["history"][-1]["epoch"] >= epoch:
+            forget_from(task, state, epoch)
         state["history"].append(record)
         better = improved(task, record[task.best_metric], state["best_metric"])
         if better:
@@ -117,6 +119,17 @@ def epoch_end_handler(cfg, task, model, optimizer, scheduler, scaler, state, fit
                 "world_size": world_size(), "rng": rng, **fits}, epoch, is_best=better)
         return stop
     return on_epoch_end
+
+
+def forget_from(task, state, epoch):
+    """Drops the records of `epoch` and later, and the best metric among them. An elastic reset rolls training back
+    to its last commit, which may lie before the end of an epoch that was already closed: that epoch ends again."""
+    state["history"] = [h for h in state["history"] if h["epoch"] < epoch]
+    if state["best_epoch"] is not None and state["best_epoch"] >= epoch:
+        state["best_metric"] = state["best_epoch"] = None
+        for h in state["history"]:
+            if improved(task, h[task.best_metric], state["best_metric"]):
+                state["best_metric"], state["best_epoch"] = h[task.best_metric], h["epoch"]
 
 
 def log_setup(cfg, rt, info, task, model, lr_scale, lr, resumed_epoch):

@@ -85,13 +85,15 @@ def test_the_gpu_image_installer_flags_are_the_installers_own():
     assert "--gpu" in flags
 
 
-def test_a_gpu_build_without_a_cuda_toolkit_stops_before_downloading(tmp_path):
+def test_a_gpu_build_pointed_at_a_missing_cuda_toolkit_stops_before_downloading(tmp_path):
     env = job_env()
     env["CUDA_HOME"] = str(tmp_path / "no-cuda")
+    env["HVD_CACHE_DIR"] = str(tmp_path / "cache")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_horovod.py"), "--gpu"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "a GPU build needs a full CUDA toolkit" in proc.stderr and "downloading" not in proc.stdout
+    assert f"CUDA_HOME={tmp_path / 'no-cuda'} is not a complete CUDA toolkit" in proc.stderr, proc.stderr
+    assert "downloading" not in proc.stdout and not (tmp_path / "cache").exists()
 
 
 def test_slurm_script_is_valid_bash_that_launches_train_hvd_per_gpu():

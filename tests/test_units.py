@@ -266,3 +266,19 @@ def test_reporter_on_other_ranks_writes_nothing(tmp_path):
     reporter.epoch({"epoch": 1})
     assert reporter.plot([{"epoch": 1}], str(tmp_path / "r" / "c.png")) is None
     assert not (tmp_path / "r").exists()
+
+
+def test_an_epoch_that_ends_again_after_an_elastic_rollback_replaces_its_record_and_best(tmp_path):
+    from config import Config
+    from lifecycle import epoch_end_handler
+    cfg = Config()
+    cfg.optim.epochs, cfg.checkpoint.every_epochs = 10, 5  # no checkpoint (a collective) in epochs 1 to 3
+    state = {"epoch": 0, "best_metric": None, "best_epoch": None, "history": []}
+    reporter = Reporter(str(tmp_path), enabled=False, tensorboard=False)
+    on_epoch_end = epoch_end_handler(cfg, TASKS["classification"], None, None, None, None, state, {},
+                                     checkpoint.Checkpointer(str(tmp_path), 1, enabled=False), reporter,
+                                     world_size=lambda: 1, steps_done=lambda: 0)
+    for epoch, acc in [(1, 50.0), (2, 70.0), (3, 60.0), (2, 55.0), (3, 52.0)]:  # a rollback into epoch 2
+        on_epoch_end(epoch, {"epoch": epoch, "val_acc1": acc})
+    assert [(h["epoch"], h["val_acc1"]) for h in state["history"]] == [(1, 50.0), (2, 55.0), (3, 52.0)]
+    assert (state["best_metric"], state["best_epoch"]) == (55.0, 2)
