@@ -7,12 +7,13 @@ DEMO_DIR ?= runs/demo
 # The setup stamp is rebuilt when anything the installer reads changes.
 READY := $(VENV)/.hvd-train-ready
 
-.PHONY: setup demo test bench lint clean help
+.PHONY: setup demo test test-images bench lint clean help
 
 help:
 	@echo "make setup   create .venv, install OpenMPI if missing, build Horovod against torch (cached)"
 	@echo "make demo    train the small CNN on the digits with $(NP) Horovod ranks, print the summary"
 	@echo "make test    run the whole test suite (real horovodrun and mpirun launches on the CPU)"
+	@echo "make test-images  build both Docker images and train in and across containers (needs a Docker engine)"
 	@echo "make bench   benchmark against bare PyTorch, torchrun DDP and raw allreduce; writes bench/results/<date>.{json,md}"
 	@echo "make lint    flake8"
 	@echo "make clean   remove .venv and runs/ (the cached Horovod wheel in ~/.cache/hvd-train stays)"
@@ -29,6 +30,9 @@ demo: setup
 
 test: setup lint
 	$(PY) -m pytest
+
+test-images: setup
+	$(PY) -m pytest -m images -s tests/test_images.py
 
 bench: setup
 	$(PY) bench/run.py

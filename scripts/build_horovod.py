@@ -35,7 +35,7 @@ HOROVOD_VERSION = "0.28.1"
 # PyPI's sdist of that release; a carried sdist must be the same file (the patches know these sources only).
 SDIST_SHA256 = "92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
 SDIST_NAME = f"horovod-{HOROVOD_VERSION}.tar.gz"
-STAMP_NAME = ".horovod-build-key"  # in the environment: the key of the wheel installed there
+STAMP_NAME = ".horovod-build-key"  # in the environment: the key of the wheel installed there, and its request
 
 # GPU generations compiled for by default: Volta to Hopper, and Blackwell, kept where the toolkit's nvcc still
 # builds for them (CUDA 13 dropped Volta; CUDA 12.8 added Blackwell). Each gets native code; the newest also PTX,
@@ -480,9 +480,23 @@ def check_prerequisites(plan, offline):
 # Build, cache, install
 
 
-def installed_key():
+def build_request(args, info):
+    """What was asked for, before any toolkit is looked for: an environment whose Horovod was built from the same
+    request needs no toolkit to be told so (a GPU image at run time, offline, has none)."""
+    flags = "mpi-gloo" if not args.no_mpi else "gloo"
+    if args.gpu:
+        cuda_home = os.environ.get("HOROVOD_CUDA_HOME") or os.environ.get("CUDA_HOME") or ""
+        flags += (f"-nccl-cuda{info['cuda']}-{args.cuda_toolkit}-home{cuda_home}"
+                  f"-cc{os.environ.get('HOROVOD_BUILD_CUDA_CC_LIST', 'default')}")
+    py = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    return f"horovod{HOROVOD_VERSION}-torch{info['torch']}-{py}-{flags}-p{patch_fingerprint()}"
+
+
+def installed_stamp():
+    """(build key, request) of the Horovod installed in this environment by this script, or (None, None)."""
     stamp = Path(sys.prefix) / STAMP_NAME
-    return stamp.read_text().strip() if stamp.is_file() else None
+    lines = [line.strip() for line in stamp.read_text().splitlines()] if stamp.is_file() else []
+    return (lines[0] if lines else None), (lines[1] if len(lines) > 1 else None)
 
 
 def horovod_importable():
@@ -565,10 +579,16 @@ def main():
         return
 
     info = torch_info()
+    request = build_request(args, info)
+    installed, installed_request = installed_stamp()
+    if not args.force and not args.wheel_only and installed_request == request and horovod_importable():
+        log(f"Horovod is already installed from this build ({installed})")
+        return
     plan = plan_build(args, info)
     key = build_key(info, plan)
     log(f"torch {info['torch']} (CUDA {info['cuda']}), needs C++{info['cxx_standard']}; build key {key}")
-    if not args.force and not args.wheel_only and installed_key() == key and horovod_importable():
+    if not args.force and not args.wheel_only and installed == key and horovod_importable():
+        (Path(sys.prefix) / STAMP_NAME).write_text(f"{key}\n{request}\n")
         log("Horovod is already installed from this build")
         return
 
@@ -586,7 +606,7 @@ def main():
         print(wheel)
         return
     run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--force-reinstall", str(wheel)])
-    (Path(sys.prefix) / STAMP_NAME).write_text(key + "\n")
+    (Path(sys.prefix) / STAMP_NAME).write_text(f"{key}\n{request}\n")
     if not horovod_importable():
         die(f"Horovod was installed from {wheel} but `import horovod.torch` fails; remove {key_dir} and run again")
     log("Horovod installed")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command setup for hvd-train. Called by `make setup` (and so by `make demo` / `make test`) and by the Docker images.
 #
-#   scripts/install.sh [--gpu | --cpu] [--venv DIR] [--no-apt] [--no-mpi]
+#   scripts/install.sh [--gpu | --cpu] [--venv DIR] [--no-apt] [--no-mpi] [--deps-only]
 #   scripts/install.sh --python PATH [--horovod-sdist FILE] [--offline] [--gpu | --cpu] [--no-mpi]
 #
 # 1. checks the prerequisites (Python >= 3.9 with venv and its headers, a C++ compiler, make);
@@ -9,7 +9,8 @@
 # 3. creates the virtual environment (.venv in the checkout by default) and installs requirements.txt, pinned;
 # 4. builds Horovod 0.28.1 against that torch (scripts/build_horovod.py, cached outside the checkout) and installs it;
 #    --gpu adds NCCL, with a system CUDA toolkit when a complete one is found, else CUDA's compiler from PyPI;
-# 5. installs this checkout in editable mode (the `hvd-train` console script);
+# 5. installs this checkout in editable mode (the `hvd-train` console script; not with --deps-only, which the Docker
+#    images use to build their torch and Horovod layer before the source is copied in);
 # 6. checks `horovodrun --check-build` lists PyTorch, MPI and Gloo (and NCCL with --gpu).
 # Every step is skipped when already done, so running it again takes seconds.
 #
@@ -33,6 +34,7 @@ EXISTING=""     # --python: an interpreter whose torch is used as it is
 SDIST=""
 OFFLINE=0
 MPI=1
+APP=1           # --deps-only: the environment and Horovod, not this checkout
 
 step() { printf '\n==> %s\n' "$*"; }
 die() { printf '\ninstall.sh: error: %s\n' "$*" >&2; exit 1; }
@@ -44,6 +46,7 @@ while [ $# -gt 0 ]; do
         --venv) [ $# -ge 2 ] || die "--venv needs a directory"; VENV=$2; shift ;;
         --no-apt) APT=0 ;;
         --no-mpi) MPI=0 ;;
+        --deps-only) APP=0 ;;
         --python) [ $# -ge 2 ] || die "--python needs the path of an interpreter that has torch"; EXISTING=$2; shift ;;
         --horovod-sdist) [ $# -ge 2 ] || die "--horovod-sdist needs the path of horovod-0.28.1.tar.gz"; SDIST=$2; shift ;;
         --offline) OFFLINE=1; APT=0 ;;
@@ -193,7 +196,9 @@ step "Installing hvd-train (editable)"
 # Keyed by setup.cfg: the editable install maps the modules listed there, so a new module needs a reinstall.
 stamp="$("$VPY" -c 'import sys; print(sys.prefix)')/.hvd-train-editable.sha256"
 want=$(sha256sum "$ROOT/setup.cfg" | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -m pip show -q hvd-train >/dev/null 2>&1; then
+if [ "$APP" = 0 ]; then
+    echo "skipped (--deps-only)"
+elif [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -m pip show -q hvd-train >/dev/null 2>&1; then
     echo "installed"
 else
     pip_flags=(-q --no-deps --no-build-isolation)

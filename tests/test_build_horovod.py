@@ -191,3 +191,21 @@ def test_no_mpi_build_environment_asks_for_gloo_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("HOROVOD_WITH_MPI", "1")
     env = build_horovod.build_env(build_horovod.BuildPlan(gpu=False, mpi=False), work_dir=tmp_path)
     assert env["HOROVOD_WITHOUT_MPI"] == "1" and "HOROVOD_WITH_MPI" not in env and env["HOROVOD_WITH_GLOO"] == "1"
+
+
+def test_a_build_made_from_the_same_request_is_recognised_without_a_cuda_toolkit(tmp_path, monkeypatch):
+    # A GPU image at run time keeps no CUDA compiler (it was only needed to build); asking it again for the same
+    # NCCL build, offline, must find that build installed instead of looking for a toolkit.
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-toolkit-here"))
+    args = build_horovod.argparse.Namespace(gpu=True, no_mpi=False, cuda_toolkit="auto")
+    info = {"torch": "2.15.0+cu130", "cuda": "13.0"}
+    request = build_horovod.build_request(args, info)
+    monkeypatch.setattr(build_horovod.sys, "prefix", str(tmp_path))
+    assert build_horovod.installed_stamp() == (None, None)
+    (tmp_path / build_horovod.STAMP_NAME).write_text("horovod-key-of-an-old-stamp\n")
+    assert build_horovod.installed_stamp() == ("horovod-key-of-an-old-stamp", None)
+    (tmp_path / build_horovod.STAMP_NAME).write_text(f"some-nccl-key\n{request}\n")
+    assert build_horovod.installed_stamp() == ("some-nccl-key", request)
+    assert build_horovod.build_request(build_horovod.argparse.Namespace(gpu=False, no_mpi=False), info) != request
+    monkeypatch.setenv("HOROVOD_BUILD_CUDA_CC_LIST", "90")
+    assert build_horovod.build_request(args, info) != request

@@ -1,0 +1,262 @@
+"""The Docker images, for real (`make test-images`; marked `images`, not part of `make test`): both are built by a
+real Docker engine with BuildKit, then train inside one container and across two, with MPI, Gloo and mpirun,
+elastically through a `docker kill` and a container that joins.
+
+Needs a running Docker engine (Debian: apt-get install docker.io, then dockerd as root). Where no registry can be
+reached, the base image is made from Debian packages by docker/base-image.sh (root and debootstrap) and kept as
+hvd-train-base:bookworm for later runs; everything else the tests make (images, containers, a network) is removed,
+also when a test fails.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import ROOT, read_json
+
+pytestmark = [pytest.mark.images, pytest.mark.timeout(3600)]
+
+BASE = "python:3.11-slim-bookworm"
+STAND_IN = "hvd-train-base:bookworm"
+CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+RUN_ID = uuid.uuid4().hex[:8]
+# OpenMPI's complaints inside containers: the refused single-copy mechanism, and any banner of its warnings.
+OPENMPI_NOISE = ("Read -1, expected", "single-copy", "process_vm_readv",
+                 "--------------------------------------------------------------------------")
+
+
+def docker(*args, timeout=600, check=True, **kw):
+    proc = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, **kw)
+    if check and proc.returncode != 0:
+        pytest.fail(f"docker {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def engine():
+    if shutil.which("docker") is None:
+        pytest.fail("no docker command: apt-get install docker.io, start dockerd, then make test-images")
+    if docker("info", timeout=60, check=False).returncode != 0:
+        pytest.fail("the Docker engine does not answer: start it (dockerd as root), then make test-images")
+
+
+@pytest.fixture(scope="session")
+def base_image(engine):
+    """The real base image where it is here or can be pulled; else one made from Debian packages (kept)."""
+    if docker("image", "inspect", BASE, check=False).returncode == 0:
+        return BASE
+    try:
+        if docker("pull", BASE, timeout=180, check=False).returncode == 0:
+            return BASE
+    except subprocess.TimeoutExpired:
+        pass
+    proc = subprocess.run(["bash", str(ROOT / "docker" / "base-image.sh"), STAND_IN], capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, f"could not make the base image: {proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    return STAND_IN
+
+
+def build(variant, base):
+    tag = f"hvd-train-test:{variant}-{RUN_ID}"
+    cmd = ["bash", str(ROOT / "docker" / "build.sh"), variant, "--tag", tag, "--base", base]
+    if os.path.exists(CA_BUNDLE):
+        cmd += ["--ca-bundle", os.environ.get("HVD_CA_BUNDLE", CA_BUNDLE)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    print(f"\nbuilt {tag} in {time.monotonic() - start:.0f} s")  # -s shows it: the cold and warm build times
+    return tag
+
+
+@pytest.fixture(scope="session")
+def cpu_image(base_image):
+    tag = build("cpu", base_image)
+    yield tag
+    docker("rmi", "-f", tag, check=False)
+
+
+@pytest.fixture(scope="session")
+def gpu_image(base_image):
+    tag = build("gpu", base_image)
+    yield tag
+    docker("rmi", "-f", tag, check=False)
+
+
+def check_build(image):
+    return docker("run", "--rm", image).stdout
+
+
+def test_the_cpu_image_has_pytorch_mpi_and_gloo(cpu_image):
+    report = check_build(cpu_image)
+    assert all(f"[X] {x}" in report for x in ("PyTorch", "MPI", "Gloo")) and "[ ] NCCL" in report, report
+
+
+def test_the_gpu_image_has_nccl_mpi_and_gloo(gpu_image):
+    report = check_build(gpu_image)
+    assert all(f"[X] {x}" in report for x in ("PyTorch", "NCCL", "MPI", "Gloo")), report
+
+
+def writable_dir(path):
+    path.mkdir(parents=True, exist_ok=True)
+    os.chown(path, 1000, 1000)  # the images train as uid 1000
+    return path
+
+
+def assert_quiet(output):
+    noise = [line for line in output.splitlines() if any(n in line for n in OPENMPI_NOISE)]
+    assert not noise, "OpenMPI complained inside the container:\n" + "\n".join(noise[:10])
+
+
+def test_two_ranks_train_the_digits_inside_the_cpu_image_as_a_user(cpu_image, tmp_path):
+    out = writable_dir(tmp_path / "out")
+    proc = docker("run", "--rm", "-v", f"{out}:/out", cpu_image, "horovodrun", "-np", "2", "-H", "localhost:2",
+                  "python", "train_hvd.py", "--output-dir", "/out/run", "--logging.progress=false", timeout=900)
+    assert_quiet(proc.stdout + proc.stderr)
+    summary = read_json(out / "run" / "summary.json")
+    assert summary["world_size"] == 2 and summary["params_in_sync"]
+    assert summary["best_val_acc1"] >= 97.0, summary["history"][-1]
+    assert (out / "run" / "checkpoints").stat().st_uid == 1000
+
+
+@pytest.fixture
+def two_containers(cpu_image, tmp_path):
+    """Containers a and b of the CPU image on a network of their own, one CPU each, sshd on 12345, a key pair
+    mounted at run time, and a shared folder (the elastic host list, the run's output)."""
+    keys = writable_dir(tmp_path / "keys")
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / "id_ed25519")], check=True)
+    shutil.copy(keys / "id_ed25519.pub", keys / "authorized_keys")
+    for f in keys.iterdir():
+        os.chown(f, 1000, 1000)
+        f.chmod(0o600)
+    keys.chmod(0o700)
+    shared = writable_dir(tmp_path / "shared")
+    network = f"hvd-test-{RUN_ID}-{uuid.uuid4().hex[:4]}"
+    names = {host: f"{network}-{host}" for host in ("a", "b")}
+    docker("network", "create", network)
+    started = []
+
+    def start(host):
+        docker("run", "-d", "--name", names[host], "--hostname", host, "--network", network, "--network-alias", host,
+               "--cpus", "1", "--user", "root", "-v", f"{keys}:/home/hvd/.ssh:ro", "-v", f"{shared}:/shared",
+               cpu_image, "/opt/hvd-train/docker/start-sshd.sh")
+        started.append(names[host])
+        for _ in range(100):  # until its sshd answers as the training user
+            probe = docker("exec", "-u", "1000", names[host], "ssh", host, "true", check=False, timeout=60)
+            if probe.returncode == 0:
+                return
+            time.sleep(0.3)
+        pytest.fail(f"sshd in container {host} did not answer: {probe.stderr}")
+
+    try:
+        start("a")
+        start("b")
+        yield names, shared, start
+    finally:
+        for name in started:
+            docker("rm", "-f", name, check=False)
+        docker("network", "rm", network, check=False)
+
+
+def exec_in(container, *cmd, timeout=900, env=()):
+    args = ["exec", "-u", "1000"] + [f"--env={e}" for e in env] + [container, *cmd]
+    return docker(*args, timeout=timeout)
+
+
+def check_across_containers(summary, controller):
+    assert summary["world_size"] == 2 and summary["local_size"] == 1 and summary["controller"] == controller
+    assert summary["params_in_sync"] and len(summary["params_fingerprints"]) == 2
+    assert summary["threads_per_rank"] == 1, "--cpus 1: each rank takes one thread"
+
+
+TRAIN = ["python", "train_hvd.py", "--epochs", "2", "--logging.progress=false"]
+
+
+@pytest.mark.parametrize("controller", ["MPI", "Gloo"])
+def test_horovodrun_across_two_containers(two_containers, controller):
+    names, shared, _ = two_containers
+    flag = "--mpi" if controller == "MPI" else "--gloo"
+    proc = exec_in(names["a"], "horovodrun", "-np", "2", "-H", "a:1,b:1", flag, *TRAIN, "--output-dir", "/shared/run")
+    assert_quiet(proc.stdout + proc.stderr)
+    check_across_containers(read_json(shared / "run" / "summary.json"), controller)
+
+
+def test_mpirun_across_two_containers(two_containers):
+    names, shared, _ = two_containers
+    proc = exec_in(names["a"], "mpirun", "-np", "2", "-H", "a:1,b:1", "-bind-to", "none", "-x", "PATH", *TRAIN,
+                   "--output-dir", "/shared/run")
+    assert_quiet(proc.stdout + proc.stderr)
+    check_across_containers(read_json(shared / "run" / "summary.json"), "MPI")
+
+
+def elastic_job(container, hosts_file, np, epochs):
+    cmd = ["docker", "exec", "-u", "1000", "--env=HVD_HOSTS_FILE=/shared/hosts.txt", container, "horovodrun",
+           "-np", str(np), "--min-np", "1", "--max-np", "2", "--host-discovery-script", "hostfiles/discover_hosts.py",
+           "python", "train_hvd.py", "--elastic", "--epochs", str(epochs), "--horovod.commit_every", "5",
+           "--output-dir", "/shared/run", "--logging.progress=false", "--logging.tensorboard=false"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def follow(job, when, action, seconds=900):
+    """Reads the job's output to its end; runs `action` once, at the first line containing `when`."""
+    lines, done = [], False
+    deadline = time.monotonic() + seconds
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if not done and when in line:
+                action()
+                done = True
+            assert time.monotonic() < deadline, "the elastic job did not finish in time:\n" + "".join(lines[-50:])
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    output = "".join(lines)
+    assert done, f"never saw {when!r}:\n{output[-3000:]}"
+    assert job.returncode == 0, output[-3000:]
+    return output
+
+
+def test_an_elastic_job_survives_docker_kill_of_one_container(two_containers):
+    names, shared, _ = two_containers
+    (shared / "hosts.txt").write_text("a:1\nb:1\n")
+    job = elastic_job(names["a"], shared / "hosts.txt", np=2, epochs=8)
+    output = follow(job, "epoch 1/8", lambda: docker("kill", names["b"]))
+    assert "workers changed: now 1" in output
+    summary = read_json(shared / "run" / "summary.json")
+    assert summary["world_size"] == 1 and summary["elastic"]["resets"] >= 1
+    assert summary["elastic"]["steps_redone"] <= 5
+    assert [h["epoch"] for h in summary["history"]] == list(range(1, 9))
+    assert summary["best_val_acc1"] >= 97.0
+
+
+def test_an_elastic_job_grows_when_a_container_is_added_to_the_host_list(two_containers):
+    names, shared, _ = two_containers
+    (shared / "hosts.txt").write_text("a:1\n")
+    job = elastic_job(names["a"], shared / "hosts.txt", np=1, epochs=8)
+    output = follow(job, "epoch 1/8", lambda: (shared / "hosts.txt").write_text("a:1\nb:1\n"))
+    assert "workers changed: now 2" in output
+    summary = read_json(shared / "run" / "summary.json")
+    assert summary["world_size"] == 2 and summary["params_in_sync"] and len(summary["params_fingerprints"]) == 2
+    assert [h["epoch"] for h in summary["history"]] == list(range(1, 9))
+    assert summary["best_val_acc1"] >= 97.0
+
+
+def test_the_gpu_image_runs_the_acceptance_scripts_cpu_side_offline(gpu_image, tmp_path):
+    # What a GPU node with no network does first: the carried sdist, the image's own torch, the NCCL build found
+    # installed (the image keeps no CUDA compiler) and listed by horovodrun --check-build.
+    sdist = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_horovod.py"), "--print-sdist"],
+                           capture_output=True, text=True, timeout=600, check=True).stdout.strip().splitlines()[-1]
+    out = writable_dir(tmp_path / "out")
+    proc = docker("run", "--rm", "--network", "none", "-v", f"{sdist}:/carried/{os.path.basename(sdist)}:ro",
+                  "-v", f"{out}:/out", gpu_image, "bash", "scripts/gpu_check.sh", "--no-gpu", "--python",
+                  "/opt/hvd-train/.venv/bin/python", "--horovod-sdist", f"/carried/{os.path.basename(sdist)}",
+                  "--out", "/out", timeout=900)
+    log = (out / "gpu_check.log").read_text()
+    assert "PASS  Horovod with NCCL against this machine's torch (offline)" in log, log[-3000:]
+    assert "PASS  horovodrun --check-build lists NCCL" in log and "SKIP  GPU tests (--no-gpu)" in log
+    assert "Horovod is already installed from this build" in proc.stdout
