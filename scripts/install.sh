@@ -195,7 +195,7 @@ build_args=()
 step "Installing hvd-train (editable)"
 # Keyed by setup.cfg: the editable install maps the modules listed there, so a new module needs a reinstall.
 stamp="$("$VPY" -c 'import sys; print(sys.prefix)')/.hvd-train-editable.sha256"
-want=$(sha256sum "$ROOT/setup.cfg" | cut -d' ' -f1)
+want=$([ "$APP" = 0 ] || sha256sum "$ROOT/setup.cfg" | cut -d' ' -f1)
 if [ "$APP" = 0 ]; then
     echo "skipped (--deps-only)"
 elif [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -m pip show -q hvd-train >/dev/null 2>&1; then

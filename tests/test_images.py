@@ -192,7 +192,7 @@ def test_mpirun_across_two_containers(two_containers):
     check_across_containers(read_json(shared / "run" / "summary.json"), "MPI")
 
 
-def elastic_job(container, hosts_file, np, epochs):
+def elastic_job(container, np, epochs):
     cmd = ["docker", "exec", "-u", "1000", "--env=HVD_HOSTS_FILE=/shared/hosts.txt", container, "horovodrun",
            "-np", str(np), "--min-np", "1", "--max-np", "2", "--host-discovery-script", "hostfiles/discover_hosts.py",
            "python", "train_hvd.py", "--elastic", "--epochs", str(epochs), "--horovod.commit_every", "5",
@@ -224,7 +224,7 @@ def follow(job, when, action, seconds=900):
 def test_an_elastic_job_survives_docker_kill_of_one_container(two_containers):
     names, shared, _ = two_containers
     (shared / "hosts.txt").write_text("a:1\nb:1\n")
-    job = elastic_job(names["a"], shared / "hosts.txt", np=2, epochs=8)
+    job = elastic_job(names["a"], np=2, epochs=8)
     output = follow(job, "epoch 1/8", lambda: docker("kill", names["b"]))
     assert "workers changed: now 1" in output
     summary = read_json(shared / "run" / "summary.json")
@@ -237,7 +237,7 @@ def test_an_elastic_job_survives_docker_kill_of_one_container(two_containers):
 def test_an_elastic_job_grows_when_a_container_is_added_to_the_host_list(two_containers):
     names, shared, _ = two_containers
     (shared / "hosts.txt").write_text("a:1\n")
-    job = elastic_job(names["a"], shared / "hosts.txt", np=1, epochs=8)
+    job = elastic_job(names["a"], np=1, epochs=8)
     output = follow(job, "epoch 1/8", lambda: (shared / "hosts.txt").write_text("a:1\nb:1\n"))
     assert "workers changed: now 2" in output
     summary = read_json(shared / "run" / "summary.json")
