@@ -14,24 +14,21 @@ Continue a run: `--resume auto`; evaluate a checkpoint: `--evaluate --resume run
 All settings: `python train_hvd.py --help`. Rank 0 prints and writes everything in --output-dir.
 """
 import logging
-import os
 import sys
 import traceback
 
 import torch
 
-import engine
 import hvd_utils
-from checkpoint import Checkpointer, CheckpointError, claim_output_dir, resolve
-from config import ConfigError, parse_config
-from data import BadSampleError, DataError, build_loaders
-from elastic_training import train_elastic
-from benchmark import run_benchmark
-from lifecycle import (build_distributed_optimizer, build_model_on, check_choices, check_shards, epoch_end_handler,
-                       evaluate_only, finish, log_setup, prepare_data)
-from models import model_task
-from reporting import Reporter, write_json
-from tasks import TASKS
+from data import BadSampleError, DataError
+from hvd_train.build import build_data, build_trainer, check_choices
+from hvd_train.config import parse_config
+from hvd_train.engine import Hooks, fit
+from hvd_train.errors import CheckpointError, ConfigError, NonFiniteLossError
+from hvd_train.modes import benchmark, elastic, evaluate
+from hvd_train.reporting import finish, log_setup
+from hvd_train.run_dir import RunDir, write_json
+from hvd_train.run_state import AfterEpoch, RunState, outputs_for, resume
 
 log = logging.getLogger("hvd_train")
 
@@ -44,75 +41,59 @@ def setup_logging(is_main):
 def main(argv=None):
     cfg = parse_config(argv)
     check_choices(cfg)
+    # Horovod: start, pin this rank to the GPU of its local rank (the CPU without one), set its CPU threads.
     rt = hvd_utils.init(cpu=cfg.run.device == "cpu", fusion_threshold_mb=cfg.horovod.fusion_threshold_mb,
                         cycle_time_ms=cfg.horovod.cycle_time_ms, tune=not cfg.horovod.elastic)
     setup_logging(rt.is_main)
-    torch.manual_seed(cfg.run.seed + rt.rank)  # different dropout per rank; the weights come from rank 0 below
+    torch.manual_seed(cfg.run.seed + rt.rank)  # different dropout per rank; the weights come from rank 0
     if cfg.benchmark.enabled:
-        return run_benchmark(cfg, rt)
-
-    train_set, val_set, info = prepare_data(cfg)
-    accumulate = cfg.horovod.batches_per_allreduce
-    check_shards(info.num_train, rt.size, cfg.optim.batch_size * accumulate)
-    train_loader, val_loader, train_sampler = build_loaders(
-        train_set, val_set, cfg.optim.batch_size * accumulate, rt.rank, rt.size, cfg.run.seed,
-        workers=cfg.data.workers, pin_memory=rt.device.type == "cuda")
-    task = TASKS[model_task(cfg.model.name)]
-    model = build_model_on(cfg, info, rt.device)
-    # Horovod: the learning rate scaled with the global batch; gradients averaged across ranks by the optimizer.
-    optimizer, lr_scale, lr = build_distributed_optimizer(cfg, model, rt.size)
-    scheduler = engine.make_scheduler(optimizer, cfg.optim, len(train_loader), lr_scale)
-    scaler = torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None
-
-    ckpt_dir = os.path.join(cfg.run.output_dir, "checkpoints")
-    fits = {"model_name": cfg.model.name, "task": task.name, "num_classes": info.num_classes}
-    state = {"epoch": 0, "best_metric": None, "best_epoch": None, "history": []}
-    if cfg.horovod.elastic and not cfg.run.evaluate:
-        return train_elastic(cfg, rt, train_set, val_set, info, model, task, optimizer, scaler, fits, state)
+        return benchmark.run(cfg, rt)
     if cfg.run.evaluate:
-        path = hvd_utils.decide_on_root(lambda: resolve(cfg.checkpoint.resume, ckpt_dir), "evaluate")
-        if path is None:
-            raise CheckpointError(f"--evaluate --resume auto: no checkpoint in {ckpt_dir} to evaluate")
-        return evaluate_only(cfg, rt, model, task, val_loader, path, fits)
+        return evaluate.run(cfg, rt)
+    if cfg.horovod.elastic:
+        return elastic.run(cfg, rt)
+    return train(cfg, rt)
+
+
+def train(cfg, rt):
+    """Training on a fixed set of ranks; rank 0 writes everything into --output-dir."""
+    # Horovod: each rank reads its own shard (DistributedSampler); the learning rate is scaled with the global
+    # batch and the optimizer averages gradients across ranks.
+    info, (train_loader, val_loader, train_sampler) = build_data(cfg, rt)
+    trainer = build_trainer(cfg, info, rt)
     # Rank 0 looks at the output directory: continue, replace or refuse, so an earlier run is never clobbered.
-    resume_from = hvd_utils.decide_on_root(
-        lambda: claim_output_dir(cfg.run.output_dir, cfg.checkpoint.resume, cfg.run.overwrite), "output_dir")
+    run_dir = RunDir(cfg.run.output_dir)
+    resume_from = hvd_utils.decide_on_root(lambda: run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite),
+                                           "output_dir")
+    state, outputs = RunState(), outputs_for(cfg, info, trainer.task, rt.is_main, resume=bool(resume_from))
     if resume_from:
-        state = hvd_utils.restore(resume_from, model, optimizer, scheduler, scaler, fits, len(train_loader))
-    elif cfg.checkpoint.resume:
-        log.info("--resume auto: no checkpoint in %s yet, starting afresh", ckpt_dir)
-    hvd_utils.broadcast_state(model, optimizer, root_rank=0)
-
-    log_setup(cfg, rt, info, task, model, lr_scale, lr, state["epoch"])
-
-    checkpointer = Checkpointer(ckpt_dir, cfg.checkpoint.keep_last, enabled=rt.is_main)
-    reporter = Reporter(cfg.run.output_dir, rt.is_main, cfg.logging.tensorboard, resume=bool(resume_from))
+        resume(resume_from, trainer, state, outputs.fits)  # every rank gets the checkpoint's weights
+    else:
+        if cfg.checkpoint.resume:
+            log.info("--resume auto: no checkpoint in %s yet, starting afresh", outputs.run_dir.checkpoints)
+        # Horovod: every rank starts from rank 0's weights and optimizer state.
+        hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
+    log_setup(cfg, rt, info, trainer, state.epoch)
     if rt.is_main:
-        write_json(os.path.join(cfg.run.output_dir, "config.json"), cfg.to_dict())
-
-    on_epoch_end = epoch_end_handler(cfg, task, model, optimizer, scheduler, scaler, state, fits, checkpointer,
-                                     reporter, world_size=lambda: rt.size, steps_done=lambda: scheduler.last_epoch)
+        write_json(outputs.run_dir.config, cfg.to_dict())
     try:
-        engine.fit(model, task, optimizer, scheduler, train_loader, val_loader, train_sampler, rt.device,
-                   epochs=cfg.optim.epochs, start_epoch=state["epoch"] + 1, accumulate=accumulate,
-                   amp=cfg.optim.amp, scaler=scaler, clip_grad=cfg.optim.clip_grad,
-                   log_every=cfg.logging.log_every, show_progress=rt.is_main and cfg.logging.progress,
-                   progress_every=cfg.logging.progress_every, on_epoch_end=on_epoch_end)
+        fit(trainer, train_loader, val_loader, Hooks(train_sampler, AfterEpoch(cfg, trainer, state, outputs), state),
+            first_epoch=state.epoch + 1)
     finally:
-        reporter.close()
-    return finish(cfg, rt, model, task, state, lr, reporter)
+        outputs.reporter.close()
+    return finish(cfg, rt, trainer, state, outputs.reporter)
 
 
 def cli():
     code = 1
     try:
         code = main()
-    except (ConfigError, DataError, CheckpointError, engine.NonFiniteLossError) as e:
+    except (ConfigError, DataError, CheckpointError, NonFiniteLossError) as e:
         # Raised on every rank at the same point (checked on all, or sent from rank 0), so none waits on another;
         # rank 0 alone says it. Exit 2: a setting or a file to fix; 3: the training diverged.
         if hvd_utils.launcher_rank() == 0:
             print(f"train_hvd.py: error: {e}", file=sys.stderr)
-        code = 3 if isinstance(e, engine.NonFiniteLossError) else 2
+        code = 3 if isinstance(e, NonFiniteLossError) else 2
     except BadSampleError as e:
         # Met by this rank alone, mid-epoch: it names the file; the other ranks stop as their peer is gone.
         print(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: error: {e}", file=sys.stderr)

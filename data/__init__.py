@@ -21,7 +21,8 @@ DATASETS = {
     "imagefolder": (3, None, 224, None),
 }
 
-__all__ = ["DATASETS", "BadSampleError", "DataError", "DataInfo", "build_datasets", "build_loaders", "download_fn"]
+__all__ = ["DATASETS", "BadSampleError", "DataError", "DataInfo", "LoaderSpec", "build_datasets", "build_loaders",
+           "download_fn"]
 
 
 @dataclass
@@ -31,6 +32,14 @@ class DataInfo:
     image_size: int
     num_train: int
     num_val: int
+
+
+@dataclass
+class LoaderSpec:
+    batch_size: int           # samples per rank per step
+    seed: int                 # the shuffle's seed, the same on every rank
+    workers: int = 0          # DataLoader worker processes per rank
+    pin_memory: bool = False  # page-locked batches (GPUs)
 
 
 def download_fn(name):
@@ -78,18 +87,18 @@ def _worker_context(workers):
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
 
 
-def build_loaders(train_set, val_set, batch_size, rank, world_size, seed, workers=0, pin_memory=False,
-                  train_sampler=None):
+def build_loaders(train_set, val_set, spec, rank, world_size, train_sampler=None):
     """Training shards reshuffled each epoch (call train_sampler.set_epoch), validation shards with no repeats.
 
     train_sampler replaces the DistributedSampler (elastic runs pass Horovod's ElasticSampler).
     """
     # Horovod: each rank reads its own 1/world_size of the training set; the shared seed makes the shuffles agree.
     if train_sampler is None:
-        train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+        train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
+                                           seed=spec.seed)
     val_sampler = ShardSampler(len(val_set), rank, world_size)
-    common = dict(batch_size=batch_size, num_workers=workers, pin_memory=pin_memory,
-                  persistent_workers=workers > 0, multiprocessing_context=_worker_context(workers))
+    common = dict(batch_size=spec.batch_size, num_workers=spec.workers, pin_memory=spec.pin_memory,
+                  persistent_workers=spec.workers > 0, multiprocessing_context=_worker_context(spec.workers))
     train_loader = DataLoader(train_set, sampler=train_sampler, **common)
     val_loader = DataLoader(val_set, sampler=val_sampler, **common)
     return train_loader, val_loader, train_sampler

@@ -12,27 +12,18 @@ Horovod runs this every second or so. Sources, in order:
 It prints nothing (and exits 0) when neither is there, so Horovod waits for hosts rather than failing.
 """
 import os
-import re
 import sys
 
 from generate import slurm_hosts
-
-LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+)(?::(?P<colon>\d+)|\s+slots=(?P<slots>\d+))?$")
+from validate import parse
 
 
 def from_file(path):
-    hosts = []
     with open(path) as f:
-        for number, raw in enumerate(f, 1):
-            line = raw.split("#", 1)[0].strip()
-            if not line:
-                continue
-            m = LINE.match(line)
-            if not m:
-                sys.exit(f"{path}:{number}: expected 'host slots=N' or 'host:N', got {line!r}")
-            slots = int(m.group("colon") or m.group("slots") or 1)
-            if slots > 0:
-                hosts.append((m.group("host"), slots))
+        hosts, errors = parse(f.read().splitlines(), live=True)
+    if errors:
+        number, message = errors[0]
+        sys.exit(f"{path}:{number}: {message}")
     return hosts
 
 

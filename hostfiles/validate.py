@@ -10,16 +10,29 @@ import sys
 # A host name or IPv4/IPv6 address: letters, digits, dots, dashes, underscores, colons (IPv6), brackets.
 HOST = re.compile(r"^[A-Za-z0-9_.\-:\[\]]+$")
 OPTION = re.compile(r"^(slots|max_slots|max-slots)=(\S*)$")
+HOST_COLON_SLOTS = re.compile(r"^([A-Za-z0-9_.\-]+):(\d+)$")
 
 
-def parse(lines):
-    """(hosts as [(host, slots)], errors as [(line number, message)])."""
+def parse(lines, live=False):
+    """(hosts as [(host, slots)], errors as [(line number, message)]): the one reader of host lists.
+
+    A hostfile (live=False) is what horovodrun -hostfile and mpirun -hostfile read: every line `HOST slots=N`.
+    The live host list an operator edits for elastic discovery (live=True) also takes horovodrun -H's `HOST:N`
+    and a bare `HOST` (one slot), and `slots=0` there drains the host (it is left out).
+    """
     hosts, errors, seen = [], [], {}
     for number, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         host, *options = line.split()
+        colon = HOST_COLON_SLOTS.match(host)
+        if colon and live:
+            host, options = colon.group(1), [f"slots={colon.group(2)}"] + options
+        elif colon:
+            errors.append((number, f"{host!r}: write '{colon.group(1)} slots={colon.group(2)}' in a hostfile "
+                                   f"(HOST:N is horovodrun -H's form)"))
+            continue
         if not HOST.match(host) or "=" in host:
             errors.append((number, f"{host!r} is not a host name or address"))
             continue
@@ -36,10 +49,12 @@ def parse(lines):
             values[key] = int(m.group(2))
         if options and len(values) < len(options):
             continue
+        if live:
+            values.setdefault("slots", 1)
         if "slots" not in values:
             errors.append((number, f"{host} has no slots=N: say how many processes to start there"))
             continue
-        if values["slots"] == 0:
+        if values["slots"] == 0 and not live:
             errors.append((number, f"{host} has slots=0: give it at least one slot, or remove the line"))
             continue
         if values.get("max_slots", values["slots"]) < values["slots"]:
@@ -49,7 +64,8 @@ def parse(lines):
             errors.append((number, f"{host} is listed again (first on line {seen[host]}); list each host once"))
             continue
         seen[host] = number
-        hosts.append((host, values["slots"]))
+        if values["slots"] > 0:
+            hosts.append((host, values["slots"]))
     return hosts, errors
 
 

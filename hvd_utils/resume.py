@@ -1,7 +1,8 @@
 """Checkpoints across ranks: rank 0 reads, every rank receives; every rank's RNG state is gathered for saving."""
 import horovod.torch as hvd
 
-import checkpoint
+from hvd_train import checkpoint
+from hvd_train.errors import CheckpointError
 from hvd_utils.optim import default_layout
 
 
@@ -16,7 +17,7 @@ def decide_on_root(fn, name):
     if hvd.rank() == 0:
         try:
             result = fn()
-        except (checkpoint.CheckpointError, RuntimeError, ValueError) as e:
+        except (CheckpointError, RuntimeError, ValueError) as e:
             error = e
     error, result = hvd.broadcast_object((error, result), root_rank=0, name=name)
     if error is not None:
@@ -27,44 +28,18 @@ def decide_on_root(fn, name):
 def _check_fits(ckpt, path, expect):
     for key, value in expect.items():
         if ckpt.get(key) != value:
-            raise checkpoint.CheckpointError(f"{path} was written for {key}={ckpt.get(key)!r}, this run has "
-                                             f"{key}={value!r}; use a matching --model/--dataset or another file")
+            raise CheckpointError(f"{path} was written for {key}={ckpt.get(key)!r}, this run has "
+                                  f"{key}={value!r}; use a matching --model/--dataset or another file")
 
 
-def restore(path, model, optimizer, scheduler, scaler, expect, steps_per_epoch):
-    """Load `path` on rank 0 into the model, optimizer, schedule and scaler, then give every rank the same state.
+def load_checkpoint(path, model, expect, optimizer=None):
+    """Load `path` on rank 0 into the model (and the optimizer, when given), then give every rank those weights and
+    that state: the one loader of resuming, elastic and evaluation runs alike.
 
-    `expect` maps checkpoint fields (model_name, task, num_classes) to this run's values; a mismatch is refused
-    with the field named. Returns the checkpoint's counters and history, the same on every rank, and restores each
-    rank's own RNG state when the world size is unchanged.
+    `expect` maps checkpoint fields (model_name, task, num_classes) to this run's values; a mismatch is refused with
+    the field named. Returns the checkpoint's other fields (counters, history, scaler, world size, RNG states), the
+    same on every rank.
     """
-    def load_on_root():
-        ckpt = checkpoint.load(path)
-        _check_fits(ckpt, path, expect)
-        try:
-            model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise checkpoint.CheckpointError(f"{path}: its weights do not fit this model ({str(e).splitlines()[0]})")
-        return {k: ckpt[k] for k in ("epoch", "step", "best_metric", "best_epoch", "history", "world_size", "rng",
-                                     "scheduler", "scaler")}
-
-    meta = decide_on_root(load_on_root, "resume")
-    if meta["scheduler"] is not None:
-        scheduler.load_state_dict(meta["scheduler"])
-    else:  # written by an elastic run, which sets the rate from its progress: put the schedule at that point
-        scheduler.last_epoch = meta["epoch"] * steps_per_epoch - 1
-        scheduler.step()
-    if scaler is not None and meta["scaler"]:
-        scaler.load_state_dict(meta["scaler"])
-    if meta["world_size"] == hvd.size():
-        checkpoint.set_rng_state(meta["rng"][hvd.rank()])
-    return meta
-
-
-def load_weights(path, model, expect, optimizer=None):
-    """The model weights (and the optimizer state, when given) from a checkpoint: rank 0 reads, every rank
-    receives. For --evaluate, and for elastic runs, which restore their counters themselves."""
     def load_on_root():
         ckpt = checkpoint.load(path)
         _check_fits(ckpt, path, expect)
@@ -73,15 +48,22 @@ def load_weights(path, model, expect, optimizer=None):
             if optimizer is not None:
                 optimizer.load_state_dict(ckpt["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
-            raise checkpoint.CheckpointError(f"{path}: its weights do not fit this model ({str(e).splitlines()[0]})")
-        return {k: ckpt.get(k) for k in ("epoch", "step", "best_metric", "best_epoch", "history")}
+            raise CheckpointError(f"{path}: its weights do not fit this model ({str(e).splitlines()[0]})")
+        return {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "config")}
 
-    meta = decide_on_root(load_on_root, "weights")
+    meta = decide_on_root(load_on_root, "checkpoint")
     with default_layout(model, optimizer):  # Horovod takes channels-last weights in the default layout only
         if optimizer is not None:
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     return meta
+
+
+def restore_rng(meta):
+    """This rank's RNG states from a checkpoint's, where it was written by as many ranks as there are now (with
+    another number of ranks, rank r's stream would not continue anyway)."""
+    if meta.get("world_size") == hvd.size() and meta.get("rng"):
+        checkpoint.set_rng_state(meta["rng"][hvd.rank()])
 
 
 def gather_rng_states():

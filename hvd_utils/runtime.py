@@ -193,3 +193,8 @@ def run_on_local_root(fn, what):
 
 def shutdown():
     hvd.shutdown()
+
+
+def world_size():
+    """The number of ranks now (in an elastic run, of the current set of workers)."""
+    return hvd.size()

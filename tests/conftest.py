@@ -44,10 +44,12 @@ def launch_command(launcher, np, args):
     raise ValueError(f"unknown launcher {launcher!r}; one of {LAUNCHERS}")
 
 
-def launch(launcher, np, script, *args, timeout=300, check=True):
-    """Run `script` (a path) with `args` under `launcher` with `np` ranks; returns the CompletedProcess."""
+def launch(launcher, np, script, *args, timeout=300, check=True, env=None):
+    """Run `script` (a path) with `args` under `launcher` with `np` ranks (`env`: extra variables for every rank);
+    returns the CompletedProcess. `timeout` only ends a hung job: no test may depend on how fast this machine is."""
     cmd = launch_command(launcher, np, [str(script)] + [str(a) for a in args])
-    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env={**job_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
                     f"\n--- stderr ---\n{proc.stderr[-4000:]}")

@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from config import ALIASES, Config, ConfigError, config_from_dict, parse_config
+from hvd_train.config import ALIASES, Config, ConfigError, config_from_dict, parse_config
 
 
 def test_every_flag_has_a_default_so_a_bare_run_trains():

@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from config import DataConfig
-from data import DataError, build_datasets, build_loaders
+from hvd_train.config import DataConfig
+from data import DataError, LoaderSpec, build_datasets, build_loaders
 from data.digits import load_digits_dataset
 from data.samplers import ShardSampler
 from data.split import split_indices
@@ -54,7 +54,7 @@ def test_training_shards_are_disjoint_and_reshuffled_each_epoch():
     dataset = TensorDataset(torch.arange(100).float().unsqueeze(1), torch.zeros(100, dtype=torch.long))
     shards = []
     for rank in range(2):
-        loader, _, sampler = build_loaders(dataset, dataset, 10, rank, 2, seed=3)
+        loader, _, sampler = build_loaders(dataset, dataset, LoaderSpec(10, seed=3), rank, 2)
         sampler.set_epoch(1)
         epoch1 = torch.cat([x for x, _ in loader]).flatten().tolist()
         sampler.set_epoch(2)
@@ -66,7 +66,7 @@ def test_training_shards_are_disjoint_and_reshuffled_each_epoch():
 
 def test_loader_workers_use_a_fork_safe_start_method():
     dataset = TensorDataset(torch.arange(8).float(), torch.zeros(8, dtype=torch.long))
-    loader, _, _ = build_loaders(dataset, dataset, 4, 0, 1, seed=0, workers=1)
+    loader, _, _ = build_loaders(dataset, dataset, LoaderSpec(4, seed=0, workers=1), 0, 1)
     assert loader.multiprocessing_context.get_start_method() == "forkserver"
     assert sorted(torch.cat([x for x, _ in loader]).tolist()) == list(range(8))
 

@@ -55,7 +55,7 @@ def test_same_seed_gives_the_same_result_under_gloo_and_mpi(tmp_path):
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_bad_settings_stop_both_ranks_with_one_message(tmp_path, args, message):
-    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path, *args, check=False, timeout=120)
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path, *args, check=False)
     assert proc.returncode != 0
     assert (proc.stdout + proc.stderr).count(message) == 1, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -95,7 +95,7 @@ def test_only_local_rank_0_downloads_and_the_others_wait(tmp_path, worker):
 
 
 def test_a_failed_download_stops_every_rank_instead_of_hanging(tmp_path, worker):
-    proc = launch("horovodrun-gloo", 2, worker("local_root.py"), tmp_path, "--fail", check=False, timeout=120)
+    proc = launch("horovodrun-gloo", 2, worker("local_root.py"), tmp_path, "--fail", check=False)
     assert proc.returncode != 0
     assert read_json(tmp_path / "rank0.json") == {"error": "the mirror is unreachable"}
     assert "failed on another host" in read_json(tmp_path / "rank1.json")["error"]

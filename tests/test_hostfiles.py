@@ -37,6 +37,7 @@ def test_comments_blank_lines_addresses_and_max_slots_are_fine(tmp_path):
     ("a slots=4 max_slots=2\n", 1, "max_slots=2 below slots=4"),
     ("slots=4\n", 1, "is not a host name"),
     ("# nothing\n", 1, "no hosts"),
+    ("a slots=1\nnode1:4\n", 2, "write 'node1 slots=4' in a hostfile"),
 ])
 def test_each_problem_is_named_with_its_line(tmp_path, text, line, message):
     proc = validate(tmp_path, text)
@@ -71,6 +72,15 @@ def test_discovery_reads_the_operators_file_in_either_spelling(tmp_path):
     hosts.write_text("# live hosts\nnode1 slots=4\nnode2:2\nnode3 slots=0  # drained\n")
     proc = discover({"HVD_HOSTS_FILE": str(hosts)}, tmp_path)
     assert proc.returncode == 0 and proc.stdout.split() == ["node1:4", "node2:2"]
+
+
+def test_discovery_takes_a_bare_host_as_one_slot_and_refuses_a_host_listed_twice(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node1\nnode2 slots=2\n")
+    assert discover({"HVD_HOSTS_FILE": str(hosts)}, tmp_path).stdout.split() == ["node1:1", "node2:2"]
+    hosts.write_text("node1:2\nnode1 slots=2\n")
+    proc = discover({"HVD_HOSTS_FILE": str(hosts)}, tmp_path)
+    assert proc.returncode != 0 and "hosts.txt:2: node1 is listed again" in proc.stderr
 
 
 def test_discovery_names_a_bad_line(tmp_path):

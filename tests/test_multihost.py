@@ -63,12 +63,13 @@ def two_hosts(tmp_path):
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         ssh_options = ["-p", SSH_PORT, "-i", str(keys / "id"), "-o", "StrictHostKeyChecking=no",
                        "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
-        for _ in range(50):  # until sshd in host B answers from host A
+        deadline = time.monotonic() + 120  # a cap for a daemon that never starts, not a guess at start-up time
+        while True:  # until sshd in host B answers from host A
             probe = sh("ip", "netns", "exec", namespaces[0], "ssh", *ssh_options, ADDRESSES[1], "true", check=False)
-            if probe.returncode == 0:
+            if probe.returncode == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        else:
+        if probe.returncode != 0:
             pytest.fail(f"sshd in {namespaces[1]} did not answer: {probe.stderr}")
         yield namespaces[0], ssh_options, keys
     finally:

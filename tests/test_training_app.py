@@ -31,7 +31,9 @@ def test_resuming_is_bitwise_exact(tmp_path):
         assert torch.equal(value, resumed["model"][name]), f"{name} differs after resuming"
     for key, state in straight["optimizer"]["state"].items():
         assert torch.equal(state["momentum_buffer"], resumed["optimizer"]["state"][key]["momentum_buffer"])
-    assert straight["scheduler"]["last_epoch"] == resumed["scheduler"]["last_epoch"]
+    # The schedule's position: the rate follows from the steps done (hvd_train/schedule.py).
+    assert straight["step"] == resumed["step"]
+    assert straight["optimizer"]["param_groups"][0]["lr"] == resumed["optimizer"]["param_groups"][0]["lr"]
     history = read_json(tmp_path / "resumed" / "summary.json")["history"]
     assert [h["epoch"] for h in history] == [1, 2, 3, 4]
     assert [h["val_loss"] for h in history] == \
@@ -44,7 +46,7 @@ def test_checkpoints_hold_everything_and_evaluate_reproduces_the_validation(tmp_
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["best.pt", "epoch_0002.pt", "epoch_0003.pt", "last.pt"]
     ckpt = last_checkpoint(out)
-    for key in ("model", "optimizer", "scheduler", "scaler", "epoch", "step", "best_metric", "config", "rng"):
+    for key in ("model", "optimizer", "scaler", "epoch", "step", "best_metric", "config", "rng"):
         assert key in ckpt, key
     assert len(ckpt["rng"]) == 2 and ckpt["config"]["optim"]["epochs"] == 3
     summary = read_json(out / "summary.json")
@@ -62,7 +64,7 @@ def test_checkpoints_hold_everything_and_evaluate_reproduces_the_validation(tmp_
 
 def test_a_non_finite_loss_stops_every_rank_together(tmp_path):
     proc = launch("horovodrun-gloo", 2, TRAIN, "--output-dir", tmp_path, "--lr", "1e12", "--logging.log_every", "5",
-                  *QUIET, check=False, timeout=120)
+                  *QUIET, check=False)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert output.count("the loss became NaN or infinite") == 1, output[-3000:]
@@ -142,7 +144,7 @@ def test_one_process_runs_a_recipe_with_overrides(tmp_path):
     (["--model", "alexnet"], "cannot take 1x8x8 images"),
 ])
 def test_impossible_requests_stop_with_one_clear_message(tmp_path, args, message):
-    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path, *args, *QUIET, check=False, timeout=120)
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path, *args, *QUIET, check=False)
     assert proc.returncode == 2
     assert (proc.stdout + proc.stderr).count(message) == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

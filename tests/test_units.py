@@ -5,13 +5,18 @@ import os
 import pytest
 import torch
 
-import checkpoint
-import engine
-from config import OptimConfig
+from hvd_train import checkpoint, engine
+from hvd_train.build import build_optimizer, param_groups
+from hvd_train.config import OptimConfig
+from hvd_train.engine import StepOptions, Trainer
+from hvd_train.errors import CheckpointError
+from hvd_train.metrics import averages
+from hvd_train.reporting import Reporter
+from hvd_train.run_dir import RunDir
+from hvd_train.schedule import LRSchedule, lr_factor
+from hvd_train.tasks import TASKS
 from hvd_utils import lr_scale
 from models import build_model, model_names, model_task
-from reporting import Reporter
-from tasks import TASKS, averages
 
 
 @pytest.mark.parametrize("world,accumulate,adasum,expected", [(1, 1, False, 1), (8, 1, False, 8), (32, 2, False, 64),
@@ -32,8 +37,8 @@ def test_averages_of_nothing_are_not_a_division_by_zero():
     assert result["count"] == 0 and result["acc1"] == 0.0
 
 
-def lr(step, schedule, **kw):
-    return engine.lr_factor(step, steps_per_epoch=10, total_steps=100, schedule=schedule, **kw)
+def lr(step, schedule, **kw):  # 10 steps per epoch, 10 epochs
+    return lr_factor(step / 10, epochs=10, schedule=schedule, **kw)
 
 
 def test_cosine_falls_from_the_peak_to_zero_and_constant_stays():
@@ -59,30 +64,35 @@ def test_step_divides_at_milestones_and_exponential_decays_per_epoch():
 def test_scheduler_changes_the_rate_every_step():
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=0.4)
-    scheduler = engine.make_scheduler(optimizer, OptimConfig(epochs=1, lr_schedule="cosine"), 4, lr_scale=1)
+    schedule, hooks = LRSchedule(OptimConfig(epochs=1, lr=0.4, lr_schedule="cosine"), lr_scale=1), engine.Hooks()
     rates = []
-    for _ in range(4):
+    for step in range(4):
+        schedule.apply(optimizer, hooks.position(1, step, 4))
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
-        scheduler.step()
     assert rates == pytest.approx([0.4, 0.4 * (0.5 + 0.5 * 2 ** -0.5), 0.2, 0.4 * (0.5 - 0.5 * 2 ** -0.5)])
 
 
 def test_biases_and_norm_layers_get_no_weight_decay_unless_asked():
     model = build_model("resnet18", 3, 10, 32)
-    groups = engine.param_groups(model, 5e-4)
+    groups = param_groups(model, 5e-4)
     decayed, free = groups[0]["params"], groups[1]["params"]
     assert all(p.ndim > 1 for p in decayed) and all(p.ndim == 1 for p in free) and free
     assert groups[1]["weight_decay"] == 0.0
-    assert len(engine.param_groups(model, 5e-4, decay_norm_and_bias=True)) == 1
+    assert len(param_groups(model, 5e-4, decay_norm_and_bias=True)) == 1
 
 
 @pytest.mark.parametrize("name,cls", [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam),
                                       ("adamw", torch.optim.AdamW)])
 def test_optimizers_by_name(name, cls):
     model = build_model("small_cnn", 1, 10, 8)
-    optimizer = engine.build_optimizer(model, OptimConfig(optimizer=name, weight_decay=1e-4), lr=0.1)
+    optimizer = build_optimizer(model, OptimConfig(optimizer=name, weight_decay=1e-4), lr=0.1)
     assert isinstance(optimizer, cls) and optimizer.param_groups[0]["lr"] == 0.1
+
+
+def trainer_for(model, optimizer, **opts):
+    return Trainer(model, TASKS["classification"], optimizer, schedule=None, device=torch.device("cpu"),
+                   opts=StepOptions(**opts))
 
 
 def test_gradient_accumulation_splits_the_batch_without_changing_the_gradient():
@@ -93,7 +103,7 @@ def test_gradient_accumulation_splits_the_batch_without_changing_the_gradient():
         torch.manual_seed(1)
         model = build_model("small_cnn", 1, 10, 8).eval()
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        sums = engine.train_step(model, TASKS["classification"], optimizer, images, labels, accumulate=accumulate)
+        sums = engine.train_step(trainer_for(model, optimizer, accumulate=accumulate), images, labels)
         assert int(sums["count"]) == 12
         results.append([p.detach().clone() for p in model.parameters()])
     for other in results[1:]:
@@ -106,8 +116,7 @@ def test_clipping_bounds_the_update():
     model = torch.nn.Linear(4, 2)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.train_step(model, TASKS["classification"], optimizer, 100 * torch.randn(8, 4), torch.zeros(8).long(),
-                      clip_grad=0.01)
+    engine.train_step(trainer_for(model, optimizer, clip_grad=0.01), 100 * torch.randn(8, 4), torch.zeros(8).long())
     moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
     assert moved.norm() == pytest.approx(0.01, rel=1e-4)
 
@@ -157,13 +166,15 @@ def payload(epoch):
 
 
 def test_checkpointer_keeps_last_best_and_the_newest_n(tmp_path):
-    saver = checkpoint.Checkpointer(str(tmp_path), keep_last=2)
+    run_dir = RunDir(str(tmp_path))
+    saver = checkpoint.Checkpointer(run_dir.checkpoints, keep_last=2)
     for epoch in range(1, 6):
         saver.save(payload(epoch), epoch, is_best=epoch == 2)
-    assert sorted(os.listdir(tmp_path)) == ["best.pt", "epoch_0004.pt", "epoch_0005.pt", "last.pt"]
-    assert checkpoint.load(str(tmp_path / "last.pt"))["epoch"] == 5
-    assert checkpoint.load(str(tmp_path / "best.pt"))["epoch"] == 2
-    assert checkpoint.resolve("auto", str(tmp_path)) == str(tmp_path / "last.pt")
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["best.pt", "epoch_0004.pt", "epoch_0005.pt", "last.pt"]
+    assert checkpoint.load(str(ckpts / "last.pt"))["epoch"] == 5
+    assert checkpoint.load(str(ckpts / "best.pt"))["epoch"] == 2
+    assert run_dir.resolve("auto") == str(ckpts / "last.pt")
 
 
 def test_checkpointer_on_other_ranks_writes_nothing(tmp_path):
@@ -189,7 +200,7 @@ class _RunsCode:
 def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"version": checkpoint.VERSION, "model": _RunsCode()}, path)
-    with pytest.raises(checkpoint.CheckpointError, match="evil.pt"):
+    with pytest.raises(CheckpointError, match="evil.pt"):
         checkpoint.load(str(path))
     assert not os.path.exists("/tmp/hvd-train-pwned")
 
@@ -202,14 +213,14 @@ def test_unreadable_checkpoints_name_the_file(tmp_path, content):
         path.write_bytes(path.read_bytes()[:100])  # truncated
     else:
         path.write_bytes(content)
-    with pytest.raises(checkpoint.CheckpointError, match="bad.pt"):
+    with pytest.raises(CheckpointError, match="bad.pt"):
         checkpoint.load(str(path))
 
 
 def test_resume_paths_that_do_not_exist_are_named_and_auto_may_find_nothing(tmp_path):
-    with pytest.raises(checkpoint.CheckpointError, match="no such file"):
-        checkpoint.resolve(str(tmp_path / "x.pt"), str(tmp_path))
-    assert checkpoint.resolve("auto", str(tmp_path)) is None
+    with pytest.raises(CheckpointError, match="no such file"):
+        RunDir(str(tmp_path)).resolve(str(tmp_path / "x.pt"))
+    assert RunDir(str(tmp_path)).resolve("auto") is None
 
 
 def make_run(directory):
@@ -220,20 +231,20 @@ def make_run(directory):
 
 
 def test_a_used_output_directory_is_continued_replaced_or_refused(tmp_path):
-    assert checkpoint.claim_output_dir(str(tmp_path / "new"), "", overwrite=False) is None
+    assert RunDir(str(tmp_path / "new")).claim("", overwrite=False) is None
     make_run(tmp_path)
-    with pytest.raises(checkpoint.CheckpointError, match="already holds a run .*--resume auto.*--overwrite"):
-        checkpoint.claim_output_dir(str(tmp_path), "", overwrite=False)
-    assert checkpoint.claim_output_dir(str(tmp_path), "auto", overwrite=False) == str(
+    with pytest.raises(CheckpointError, match="already holds a run .*--resume auto.*--overwrite"):
+        RunDir(str(tmp_path)).claim("", overwrite=False)
+    assert RunDir(str(tmp_path)).claim("auto", overwrite=False) == str(
         tmp_path / "checkpoints" / "last.pt")
-    assert checkpoint.claim_output_dir(str(tmp_path), "", overwrite=True) is None
+    assert RunDir(str(tmp_path)).claim("", overwrite=True) is None
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"], "only the run's own files are replaced"
 
 
 def test_resume_auto_refuses_a_run_without_a_checkpoint(tmp_path):
     (tmp_path / "summary.json").write_text("{}")
-    with pytest.raises(checkpoint.CheckpointError, match="no checkpoints/last.pt to continue from"):
-        checkpoint.claim_output_dir(str(tmp_path), "auto", overwrite=False)
+    with pytest.raises(CheckpointError, match="no checkpoints/last.pt to continue from"):
+        RunDir(str(tmp_path)).claim("auto", overwrite=False)
 
 
 def test_a_killed_writer_leaves_only_temporary_files_that_the_next_run_removes(tmp_path):
@@ -249,7 +260,7 @@ def test_reporter_writes_json_lines_tensorboard_events_and_a_png(tmp_path):
                for e in (1, 2, 3)]
     for record in history:
         reporter.epoch(record)
-    png = reporter.plot(history, str(tmp_path / "curves.png"))
+    png = reporter.plot(history)
     reporter.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in lines] == [1, 2, 3]
@@ -264,21 +275,20 @@ def test_reporter_writes_json_lines_tensorboard_events_and_a_png(tmp_path):
 def test_reporter_on_other_ranks_writes_nothing(tmp_path):
     reporter = Reporter(str(tmp_path / "r"), enabled=False)
     reporter.epoch({"epoch": 1})
-    assert reporter.plot([{"epoch": 1}], str(tmp_path / "r" / "c.png")) is None
+    assert reporter.plot([{"epoch": 1}]) is None
     assert not (tmp_path / "r").exists()
 
 
 def test_an_epoch_that_ends_again_after_an_elastic_rollback_replaces_its_record_and_best(tmp_path):
-    from config import Config
-    from lifecycle import epoch_end_handler
+    from hvd_train.config import Config
+    from hvd_train.run_state import AfterEpoch, Outputs, RunState
     cfg = Config()
     cfg.optim.epochs, cfg.checkpoint.every_epochs = 10, 5  # no checkpoint (a collective) in epochs 1 to 3
-    state = {"epoch": 0, "best_metric": None, "best_epoch": None, "history": []}
+    state = RunState()
     reporter = Reporter(str(tmp_path), enabled=False, tensorboard=False)
-    on_epoch_end = epoch_end_handler(cfg, TASKS["classification"], None, None, None, None, state, {},
-                                     checkpoint.Checkpointer(str(tmp_path), 1, enabled=False), reporter,
-                                     world_size=lambda: 1, steps_done=lambda: 0)
+    outputs = Outputs(RunDir(str(tmp_path)), checkpoint.Checkpointer(str(tmp_path), 1, enabled=False), reporter, {})
+    on_epoch_end = AfterEpoch(cfg, trainer_for(None, None), state, outputs)
     for epoch, acc in [(1, 50.0), (2, 70.0), (3, 60.0), (2, 55.0), (3, 52.0)]:  # a rollback into epoch 2
         on_epoch_end(epoch, {"epoch": epoch, "val_acc1": acc})
-    assert [(h["epoch"], h["val_acc1"]) for h in state["history"]] == [(1, 50.0), (2, 55.0), (3, 52.0)]
-    assert (state["best_metric"], state["best_epoch"]) == (55.0, 2)
+    assert [(h["epoch"], h["val_acc1"]) for h in state.history] == [(1, 50.0), (2, 55.0), (3, 52.0)]
+    assert (state.best_metric, state.best_epoch) == (55.0, 2)

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-import checkpoint
+from hvd_train import checkpoint
 
 
 def main(directory, start):

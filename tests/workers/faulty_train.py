@@ -8,8 +8,9 @@ Everything else is the real application.
 import os
 import signal
 import sys
+import time
 
-import engine
+from hvd_train import engine
 import hvd_utils
 import train_hvd
 
@@ -22,6 +23,9 @@ def main():
     def faulty_step(*args, **kwargs):
         calls["n"] += 1
         if hvd_utils.launcher_rank() == rank and calls["n"] == step:
+            # When the fault happens, for the test to time how long the job takes to end after it.
+            with open(os.environ["HVD_TEST_FAULT_TIME"], "w") as f:
+                f.write(repr(time.time()))
             if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure on rank {rank} at step {step}")

@@ -9,25 +9,26 @@ import sys
 
 import torch
 
-import engine
 import hvd_utils
-from data import build_datasets, build_loaders
-from config import OptimConfig, DataConfig
+from data import LoaderSpec, build_datasets, build_loaders
+from hvd_train import engine
+from hvd_train.config import DataConfig, OptimConfig
+from hvd_train.schedule import LRSchedule
+from hvd_train.tasks import TASKS
 from models import build_model
-from tasks import TASKS
 
 
 def main(out_dir):
     rt = hvd_utils.init()
     torch.manual_seed(rt.rank)
     train_set, val_set, info = build_datasets(DataConfig())
-    train_loader, val_loader, sampler = build_loaders(train_set, val_set, 64, rt.rank, rt.size, seed=0)
+    train_loader, val_loader, sampler = build_loaders(train_set, val_set, LoaderSpec(64, seed=0), rt.rank, rt.size)
     model = build_model("small_cnn", info.in_channels, info.num_classes, info.image_size)
     optimizer = hvd_utils.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)
     hvd_utils.broadcast_state(model, optimizer)
-    scheduler = engine.make_scheduler(optimizer, OptimConfig(epochs=2), len(train_loader), rt.size)
-    engine.fit(model, TASKS["classification"], optimizer, scheduler, train_loader, val_loader, sampler,
-               torch.device("cpu"), epochs=2)
+    trainer = engine.Trainer(model, TASKS["classification"], optimizer, LRSchedule(OptimConfig(epochs=2, lr=0.05), 1),
+                             torch.device("cpu"), engine.StepOptions(), epochs=2)
+    engine.fit(trainer, train_loader, val_loader, engine.Hooks(sampler))
     torch.save(model.state_dict(), f"{out_dir}/rank{rt.rank}.pt")
     hvd_utils.shutdown()
 

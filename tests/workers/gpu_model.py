@@ -2,7 +2,7 @@
 
     gpu_model.py OUT_DIR [train_hvd.py flags, e.g. --model resnet18 --sync-bn]
 
-hvd_utils.init() pins the device and lifecycle.build_model_on builds the configured model on it (3x32x32 images,
+hvd_utils.init() pins the device and hvd_train.build.build_model_for builds the configured model on it (3x32x32 images,
 10 classes). One training-mode forward pass then feeds rank r images of value r + 1 plus noise, so the ranks' batches
 differ. Each rank writes OUT_DIR/rank<r>.json: its ranks, the device the app chose, torch's current device, where the
 parameters live, the classes of the normalization layers, and for the first BatchNorm the per-channel mean of its
@@ -15,16 +15,16 @@ import horovod.torch as hvd
 import torch
 
 import hvd_utils
-from config import parse_config
+from hvd_train.config import parse_config
 from data import DataInfo
-from lifecycle import build_model_on
+from hvd_train.build import build_model_for
 
 
 def main(out_dir, argv):
     cfg = parse_config(argv)
     rt = hvd_utils.init(cpu=cfg.run.device == "cpu")
     torch.manual_seed(0)
-    model = build_model_on(cfg, DataInfo(3, 10, 32, 0, 0), rt.device)
+    model = build_model_for(cfg, DataInfo(3, 10, 32, 0, 0), rt.device)
     hvd_utils.broadcast_state(model, torch.optim.SGD(model.parameters(), lr=0.1), root_rank=0)
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     record = {"rank": rt.rank, "size": rt.size, "local_rank": hvd.local_rank(), "device": str(rt.device),

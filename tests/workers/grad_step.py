@@ -11,11 +11,12 @@ import argparse
 
 import torch
 
-import engine
 import hvd_utils
 from data.digits import load_digits_dataset
 from models import build_model, to_channels_last
-from tasks import TASKS
+from hvd_train import engine
+from hvd_train.engine import StepOptions, Trainer
+from hvd_train.tasks import TASKS
 
 
 def main():
@@ -43,7 +44,9 @@ def main():
     lo, hi = rt.rank * args.batch, (rt.rank + 1) * args.batch
     images = torch.stack([digits[i][0] for i in range(lo, hi)])
     labels = torch.stack([digits[i][1] for i in range(lo, hi)])
-    engine.train_step(model, TASKS["classification"], optimizer, images, labels, accumulate=args.accumulate)
+    opts = StepOptions(accumulate=args.accumulate)
+    trainer = Trainer(model, TASKS["classification"], optimizer, None, images.device, opts)
+    engine.train_step(trainer, images, labels)
     if rt.is_main:
         torch.save(model.state_dict(), args.out_file)
     hvd_utils.shutdown()

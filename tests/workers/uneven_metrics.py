@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import engine
 import hvd_utils
-from data import build_loaders
-from tasks import TASKS
+from data import LoaderSpec, build_loaders
+from hvd_train import engine
+from hvd_train.tasks import TASKS
 
 
 def fixed_samples(n):
@@ -32,7 +32,7 @@ def main(out_dir, n, batch):
     rt = hvd_utils.init()
     logits, labels = fixed_samples(n)
     dataset = TensorDataset(logits, labels)
-    _, val_loader, _ = build_loaders(dataset, dataset, batch, rt.rank, rt.size, seed=0)
+    _, val_loader, _ = build_loaders(dataset, dataset, LoaderSpec(batch, seed=0), rt.rank, rt.size)
     task, cpu = TASKS["classification"], torch.device("cpu")
     result = engine.evaluate_all(nn.Identity(), task, val_loader, cpu)
     result["local_count"] = float(engine.evaluate(nn.Identity(), task, val_loader, cpu).get("count", 0))

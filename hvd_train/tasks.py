@@ -1,7 +1,7 @@
-"""What a model is trained to do: its loss terms, the sums that make its metrics, and how to read them.
+"""What a model is trained to do: its loss, the per-batch sums its metrics are made of, and which metric is best.
 
 A task's `sums` returns per-batch sums (never means) so that adding them over batches and ranks and dividing once
-gives exact averages. Keys ending in `_sum` become means per sample; `correct1`/`correct5` become percentages.
+gives exact averages (hvd_train.metrics turns them into means and percentages).
 """
 import torch
 import torch.nn.functional as F
@@ -50,25 +50,3 @@ class VAE:
 
 
 TASKS = {"classification": Classification(), "vae": VAE()}
-
-
-def improved(task, value, best):
-    """Whether `value` of the task's best_metric beats `best` (None: nothing yet)."""
-    return best is None or (value > best if task.best_mode == "max" else value < best)
-
-
-def reached(task, value, target):
-    """Whether `value` of the task's best_metric meets a --stop-at target (0: no target)."""
-    return target > 0 and (value >= target if task.best_mode == "max" else value <= target)
-
-
-def averages(totals):
-    """Global sums -> per-sample means and accuracies in percent. With no samples, means are NaN and counts 0."""
-    count = totals.get("count", 0.0)
-    out = {"count": int(count)}
-    for key, value in totals.items():
-        if key.endswith("_sum"):
-            out[key[:-4]] = value / count if count else float("nan")
-        elif key.startswith("correct"):
-            out["acc" + key[len("correct"):]] = 100.0 * value / count if count else 0.0
-    return out

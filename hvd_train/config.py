@@ -1,27 +1,23 @@
 """The one typed configuration of a training run.
 
-Each section is a dataclass; every field has a default and a comment with its meaning and unit, and each section
-checks its own values in __post_init__, so a bad value stops the run before any process starts training.
+Each section is a dataclass; every field is opt(default, help), its help (meaning, unit) being its --help text,
+and each section checks its own values in __post_init__, so a bad value stops the run before any rank starts training.
 Values come from the defaults, then an optional YAML recipe (`--config configs/x.yaml`, sections as keys), then the
 command line: `--section.field VALUE` sets any field, and the flags people look for first (`--epochs`,
 `--batch-size`, `--amp`, ...) are short aliases listed in ALIASES.
 """
 import argparse
 import dataclasses
-import inspect
 import json
 import os
-import re
 from dataclasses import dataclass, field
+
+from hvd_train.errors import ConfigError
 
 LR_SCHEDULES = ("constant", "cosine", "step", "exponential")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 AMP_MODES = ("off", "bf16", "fp16")
 DEVICES = ("auto", "cuda", "cpu")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, the reason and the fix."""
 
 
 def _require(ok, name, value, why):
@@ -33,19 +29,24 @@ def _choice(name, value, choices):
     _require(value in choices, name, value, f"must be one of: {', '.join(choices)}")
 
 
+def opt(default, help):
+    """A field with its default and its meaning: the --help text and the documentation of the field."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class DataConfig:
-    dataset: str = "digits"     # digits, synthetic, mnist, cifar10, stl10 or imagefolder (see data.DATASETS)
-    data_dir: str = "datasets"  # where data sets are read from (and downloaded to with --download)
-    download: bool = False      # fetch a missing data set (local rank 0 of each host; the others wait)
-    image_size: int = 0         # side of the square images fed to the model, in pixels; 0: the data set's own
-    val_fraction: float = 0.2   # share held out for validation where the data set has no split of its own, 0 < x < 1
-    split_seed: int = 0         # seed of that split; fixed so every rank and every run agree
-    workers: int = 0            # DataLoader worker processes per rank (0: load in the training process)
-    skip_bad_files: bool = False  # imagefolder: decode every image once at start and leave out those that fail
-    synthetic_samples: int = 1024  # synthetic: number of training samples (validation gets a quarter as many)
-    synthetic_channels: int = 3    # synthetic: image channels
-    synthetic_classes: int = 10    # synthetic: number of classes
+    dataset: str = opt("digits", "digits, synthetic, mnist, cifar10, stl10 or imagefolder (see data.DATASETS)")
+    data_dir: str = opt("datasets", "where data sets are read from (and downloaded to with --download)")
+    download: bool = opt(False, "fetch a missing data set (local rank 0 of each host; the others wait)")
+    image_size: int = opt(0, "side of the square images fed to the model, in pixels; 0: the data set's own")
+    val_fraction: float = opt(0.2, "share held out for validation where the data set has no split, 0 < x < 1")
+    split_seed: int = opt(0, "seed of that split; fixed so every rank and every run agree")
+    workers: int = opt(0, "DataLoader worker processes per rank (0: load in the training process)")
+    skip_bad_files: bool = opt(False, "imagefolder: decode every image once at start and leave out those that fail")
+    synthetic_samples: int = opt(1024, "synthetic: number of training samples (validation gets a quarter as many)")
+    synthetic_channels: int = opt(3, "synthetic: image channels")
+    synthetic_classes: int = opt(10, "synthetic: number of classes")
 
     def __post_init__(self):
         _require(bool(self.data_dir), "data.data_dir (--data-dir)", self.data_dir, "must name a directory")
@@ -60,26 +61,26 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = "small_cnn"     # small_cnn, vae, or any torchvision classification model (resnet18, resnet50, ...)
-    channels_last: bool = False  # weights and batches in channels-last (NHWC) memory: faster --amp convolutions on GPUs
+    name: str = opt("small_cnn", "small_cnn, vae, or any torchvision classification model (resnet18, resnet50, ...)")
+    channels_last: bool = opt(False, "weights and batches in channels-last (NHWC) memory: faster --amp convs on GPUs")
 
 
 @dataclass
 class OptimConfig:
-    optimizer: str = "sgd"      # sgd, adam or adamw
-    epochs: int = 15            # passes over the training set
-    batch_size: int = 32        # samples per rank per backward pass; global batch: x ranks x batches_per_allreduce
-    lr: float = 0.025           # base learning rate for one rank and one batch; scaled by ranks x batches_per_allreduce
-    lr_schedule: str = "cosine"  # per-step decay after warmup: cosine (to 0), step, exponential or constant
-    warmup_epochs: float = 0.0  # epochs of linear warmup from lr/scale to the scaled lr (Goyal et al. 2017)
-    lr_milestones: tuple = (30, 60, 80)  # step schedule: epochs at which the learning rate is multiplied by lr_gamma
-    lr_gamma: float = 0.1       # step: factor at each milestone; exponential: factor per epoch
-    momentum: float = 0.9       # SGD momentum
-    nesterov: bool = False      # SGD Nesterov momentum
-    weight_decay: float = 0.0   # L2 penalty (decoupled for adamw)
-    decay_norm_and_bias: bool = False  # also apply weight decay to biases and normalization layers
-    clip_grad: float = 0.0      # clip the global gradient norm to this after averaging; 0: off
-    amp: str = "off"            # mixed precision: off, bf16 (CPU and GPU) or fp16 (GPU, with a gradient scaler)
+    optimizer: str = opt("sgd", "sgd, adam or adamw")
+    epochs: int = opt(15, "passes over the training set")
+    batch_size: int = opt(32, "samples per rank per backward pass; global batch: x ranks x batches_per_allreduce")
+    lr: float = opt(0.025, "base learning rate for one rank and one batch; scaled by ranks x batches_per_allreduce")
+    lr_schedule: str = opt("cosine", "per-step decay after warmup: cosine (to 0), step, exponential or constant")
+    warmup_epochs: float = opt(0.0, "epochs of linear warmup from lr/scale to the scaled lr (Goyal et al. 2017)")
+    lr_milestones: tuple = opt((30, 60, 80), "step schedule: epochs at which the rate is multiplied by lr_gamma")
+    lr_gamma: float = opt(0.1, "step: factor at each milestone; exponential: factor per epoch")
+    momentum: float = opt(0.9, "SGD momentum")
+    nesterov: bool = opt(False, "SGD Nesterov momentum")
+    weight_decay: float = opt(0.0, "L2 penalty (decoupled for adamw)")
+    decay_norm_and_bias: bool = opt(False, "also apply weight decay to biases and normalization layers")
+    clip_grad: float = opt(0.0, "clip the global gradient norm to this after averaging; 0: off")
+    amp: str = opt("off", "mixed precision: off, bf16 (CPU and GPU) or fp16 (GPU, with a gradient scaler)")
 
     def __post_init__(self):
         self.lr_milestones = tuple(self.lr_milestones)
@@ -106,15 +107,15 @@ class OptimConfig:
 
 @dataclass
 class HorovodConfig:
-    batches_per_allreduce: int = 1  # backward passes summed locally before one allreduce (gradient accumulation)
-    fp16_allreduce: bool = False    # compress gradients to fp16 for the allreduce (half the bytes on the wire)
-    use_adasum: bool = False        # combine gradients with Adasum instead of averaging them
-    gradient_predivide_factor: float = 1.0  # divide gradients by this before the allreduce, the rest after
-    sync_bn: bool = False           # batch-norm statistics computed over all ranks (hvd.SyncBatchNorm)
-    elastic: bool = False           # elastic training under horovodrun --min-np/--max-np --host-discovery-script
-    commit_every: int = 20          # elastic: steps between state commits (at most this many are redone on a reset)
-    fusion_threshold_mb: float = -1.0  # tensor fusion buffer, MB (0: no fusion; -1: 8 on CPUs, 128 on GPUs); README
-    cycle_time_ms: float = 0.0      # Horovod's cycle, ms (0: by launch, README); launcher flags win
+    batches_per_allreduce: int = opt(1, "backward passes summed locally before one allreduce (gradient accumulation)")
+    fp16_allreduce: bool = opt(False, "compress gradients to fp16 for the allreduce (half the bytes on the wire)")
+    use_adasum: bool = opt(False, "combine gradients with Adasum instead of averaging them")
+    gradient_predivide_factor: float = opt(1.0, "divide gradients by this before the allreduce, the rest after")
+    sync_bn: bool = opt(False, "batch-norm statistics computed over all ranks (hvd.SyncBatchNorm)")
+    elastic: bool = opt(False, "elastic training under horovodrun --min-np/--max-np --host-discovery-script")
+    commit_every: int = opt(20, "elastic: steps between state commits (at most this many are redone on a reset)")
+    fusion_threshold_mb: float = opt(-1.0, "tensor fusion buffer, MB (0: none; -1: 8 on CPUs, 128 on GPUs); README")
+    cycle_time_ms: float = opt(0.0, "Horovod's cycle, ms (0: by launch, README); launcher flags win")
 
     def __post_init__(self):
         _require(self.batches_per_allreduce >= 1, "horovod.batches_per_allreduce (--batches-per-allreduce)",
@@ -132,9 +133,9 @@ class HorovodConfig:
 
 @dataclass
 class CheckpointConfig:
-    resume: str = ""            # checkpoint to resume from: a path, or auto for the newest in <output dir>/checkpoints
-    keep_last: int = 3          # how many of the newest per-epoch checkpoints to keep (last.pt and best.pt are extra)
-    every_epochs: int = 1       # write a checkpoint every this many epochs (and after the last)
+    resume: str = opt("", "checkpoint to resume from: a path, or auto for the newest in <output dir>/checkpoints")
+    keep_last: int = opt(3, "how many of the newest per-epoch checkpoints to keep (last.pt and best.pt are extra)")
+    every_epochs: int = opt(1, "write a checkpoint every this many epochs (and after the last)")
 
     def __post_init__(self):
         _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "must be 0 or more")
@@ -143,11 +144,11 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    progress: bool = True       # rank 0 shows a progress bar per epoch (tqdm)
-    progress_every: float = 60.0  # seconds between progress lines when stderr is not a terminal (logs, horovodrun)
-    log_every: int = 20         # steps between progress updates and the all-rank non-finite loss check
-    tensorboard: bool = True    # write TensorBoard events to <output dir>/tensorboard
-    plot: bool = True           # draw the loss and accuracy curves to <output dir>/curves.png at the end
+    progress: bool = opt(True, "rank 0 shows a progress bar per epoch (tqdm)")
+    progress_every: float = opt(60.0, "seconds between progress lines when stderr is not a terminal (logs, horovodrun)")
+    log_every: int = opt(20, "steps between progress updates and the all-rank non-finite loss check")
+    tensorboard: bool = opt(True, "write TensorBoard events to <output dir>/tensorboard")
+    plot: bool = opt(True, "draw the loss and accuracy curves to <output dir>/curves.png at the end")
 
     def __post_init__(self):
         _require(self.log_every >= 1, "logging.log_every", self.log_every, "must be 1 or more steps")
@@ -156,13 +157,13 @@ class LoggingConfig:
 
 @dataclass
 class RunConfig:
-    output_dir: str = "runs/latest"  # where rank 0 writes summary, metrics, checkpoints and the resolved config
-    seed: int = 42                   # base random seed; rank r seeds with seed + r, parameters come from rank 0
-    evaluate: bool = False           # only evaluate the checkpoint given by --resume, then stop
-    overwrite: bool = False          # start afresh in an output directory that holds a run, replacing its files
-    device: str = "auto"             # auto (the GPU local_rank when CUDA sees one, else the CPU), cuda or cpu
-    name: str = ""                   # name of this configuration in the summary (default: the recipe's file name)
-    stop_at: float = 0.0             # stop once an epoch reaches this (98: val top-1 98%; VAE: val loss <= it); 0: off
+    output_dir: str = opt("runs/latest", "where rank 0 writes summary, metrics, checkpoints and the resolved config")
+    seed: int = opt(42, "base random seed; rank r seeds with seed + r, parameters come from rank 0")
+    evaluate: bool = opt(False, "only evaluate the checkpoint given by --resume, then stop")
+    overwrite: bool = opt(False, "start afresh in an output directory that holds a run, replacing its files")
+    device: str = opt("auto", "auto (the GPU local_rank when CUDA sees one, else the CPU), cuda or cpu")
+    name: str = opt("", "name of this configuration in the summary (default: the recipe's file name)")
+    stop_at: float = opt(0.0, "stop once an epoch reaches this (98: val top-1 98%; VAE: val loss <= it); 0: off")
 
     def __post_init__(self):
         _require(bool(self.output_dir), "run.output_dir (--output-dir)", self.output_dir, "must name a directory")
@@ -173,10 +174,10 @@ class RunConfig:
 
 @dataclass
 class BenchmarkConfig:
-    enabled: bool = False          # time training steps on one synthetic in-memory batch instead of training
-    num_warmup_batches: int = 10   # untimed steps first: allocator, caches and Horovod's first negotiation settle
-    num_iters: int = 10            # timed iterations; images/s is reported as mean +- 1.96 std over them
-    num_batches_per_iter: int = 10  # training steps per timed iteration
+    enabled: bool = opt(False, "time training steps on one synthetic in-memory batch instead of training")
+    num_warmup_batches: int = opt(10, "untimed steps first: allocator, caches and Horovod's first negotiation settle")
+    num_iters: int = opt(10, "timed iterations; images/s is reported as mean +- 1.96 std over them")
+    num_batches_per_iter: int = opt(10, "training steps per timed iteration")
 
     def __post_init__(self):
         _require(self.num_warmup_batches >= 0, "benchmark.num_warmup_batches (--num-warmup-batches)",
@@ -272,16 +273,6 @@ def _fields():
             yield section.name, section.type, f
 
 
-def _field_comments(cls):
-    """The trailing comment of each field in the class source: the one place a field's meaning is written down."""
-    comments = {}
-    for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s+(\w+):.*?#\s*(.+)$", line)
-        if m:
-            comments[m.group(1)] = m.group(2).strip()
-    return comments
-
-
 def _parse_bool(text):
     lowered = str(text).lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -314,11 +305,10 @@ def build_parser():
                     "Settings: defaults < --config YAML < these flags.")
     parser.add_argument("--config", metavar="YAML", help="recipe with one mapping per section (see configs/)")
     alias_of = {dest: flag for flag, dest in ALIASES.items()}
-    groups, comments = {}, {}
-    for section, cls, f in _fields():
+    groups = {}
+    for section, _, f in _fields():
         if section not in groups:
             groups[section] = parser.add_argument_group(f"{section} settings")
-            comments[section] = _field_comments(cls)
         dest = f"{section}.{f.name}"
         flags = [f"--{dest}"]
         if dest in alias_of:
@@ -331,7 +321,7 @@ def build_parser():
         default = ",".join(map(str, f.default)) if f.type is tuple else f.default
         groups[section].add_argument(
             *flags, dest=dest, type=_PARSERS[f.type], default=argparse.SUPPRESS, metavar=metavar,
-            help=f"{comments[section].get(f.name, '')} (default: {default!r})".replace("%", "%%"), **extra)
+            help=f"{f.metadata['help']} (default: {default!r})".replace("%", "%%"), **extra)
     return parser
 
 

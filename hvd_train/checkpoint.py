@@ -1,8 +1,8 @@
-"""Checkpoints: everything a run needs to continue exactly, written atomically by rank 0.
+"""Checkpoints: everything a run needs to continue exactly, written atomically by rank 0; one save, one load.
 
-A checkpoint holds the model, optimizer, learning-rate schedule and AMP scaler states, the epoch and step, the best
-metric so far, the resolved config, the per-epoch history and every rank's RNG states. Files in <dir>:
-epoch_NNNN.pt (the newest keep_last), last.pt and best.pt. Loading uses torch.load(weights_only=True): a
+A checkpoint holds the model, optimizer and AMP scaler states, the run state (epoch, optimizer steps, best metric,
+per-epoch history), the resolved config and every rank's RNG states; the learning rate follows from the epoch.
+Files in <dir>: epoch_NNNN.pt (the newest keep_last), last.pt and best.pt. Loading uses torch.load(weights_only=True): a
 checkpoint is data, and a file that would run code on loading is refused.
 """
 import glob
@@ -13,11 +13,10 @@ import shutil
 
 import torch
 
+from hvd_train.errors import CheckpointError
+from hvd_train.run_dir import atomic_write
+
 VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable or does not fit this run; the message names the file."""
 
 
 def rng_state():
@@ -36,18 +35,8 @@ def set_rng_state(state):
 
 
 def atomic_save(obj, path):
-    """Write to a temporary file in the same directory, flush it to disk, then rename over `path`: a reader, or a
-    run killed halfway, sees the old file or the new one, never half of one."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """torch.save through the run directory's atomic writer, flushed to disk."""
+    atomic_write(path, lambda f: torch.save(obj, f), binary=True, sync=True)
 
 
 def _link_or_copy(src, dst):
@@ -64,39 +53,6 @@ def epoch_files(directory):
     """Per-epoch checkpoints in `directory`, oldest first."""
     files = glob.glob(os.path.join(directory, "epoch_*.pt"))
     return sorted(files, key=lambda p: int(re.search(r"epoch_(\d+)\.pt$", p).group(1)))
-
-
-# What a run leaves in its output directory; a fresh run refuses to start over these unless told to.
-RUN_FILES = ("checkpoints/last.pt", "summary.json", "metrics.jsonl")
-REPLACED_ON_OVERWRITE = ("summary.json", "metrics.jsonl", "config.json", "curves.png", "tensorboard", "checkpoints")
-
-
-def claim_output_dir(output_dir, resume, overwrite):
-    """Decide how this run uses output_dir without losing an earlier run; returns the checkpoint to resume from,
-    or None for a fresh start.
-
-    A directory holding a run is continued (--resume), replaced (--overwrite), or refused with the choices named.
-    """
-    ckpt_dir = os.path.join(output_dir, "checkpoints")
-    found = [f for f in RUN_FILES if os.path.exists(os.path.join(output_dir, f))]
-    if resume:
-        path = resolve(resume, ckpt_dir)
-        if path is None and found:
-            raise CheckpointError(f"--resume auto: {output_dir} holds a run ({', '.join(found)}) but no "
-                                  f"checkpoints/last.pt to continue from; pass --overwrite to replace it, or choose "
-                                  f"another --output-dir")
-        return path
-    if found and not overwrite:
-        raise CheckpointError(f"{output_dir} already holds a run ({', '.join(found)}); continue it with --resume auto, "
-                              f"replace it with --overwrite, or choose another --output-dir")
-    if found:
-        for name in REPLACED_ON_OVERWRITE:
-            path = os.path.join(output_dir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
-    return None
 
 
 class Checkpointer:
@@ -124,17 +80,6 @@ class Checkpointer:
         for old in epoch_files(self.directory)[:-self.keep_last or None]:
             os.remove(old)
         return last
-
-
-def resolve(resume, directory):
-    """The checkpoint file named by --resume: a path, or `auto` for <directory>/last.pt (None when there is none
-    yet, so a job script can always pass --resume auto)."""
-    if resume == "auto":
-        last = os.path.join(directory, "last.pt")
-        return last if os.path.isfile(last) else None
-    if not os.path.isfile(resume):
-        raise CheckpointError(f"--resume {resume}: no such file")
-    return resume
 
 
 def load(path):

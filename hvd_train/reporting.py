@@ -1,19 +1,26 @@
-"""What rank 0 writes while training: metrics as JSON lines, TensorBoard events and, at the end, a PNG of the curves.
+"""What rank 0 reports: the setup lines, metrics as JSON lines and TensorBoard events while training, and at the
+end summary.json and a PNG of the curves.
 
-Every method is a no-op on the other ranks, so callers need no `if rank == 0`.
+Reporter's methods are no-ops on the other ranks, so callers need no `if rank == 0`.
 """
 import json
+import logging
 import math
 import os
 import time
 
 import psutil
 
+import hvd_utils
+from hvd_train.run_dir import RunDir, write_json
+
+log = logging.getLogger("hvd_train")
+
 
 class Reporter:
     def __init__(self, output_dir, enabled, tensorboard=True, resume=False):
-        self.output_dir, self.enabled, self.tensorboard, self.writer = output_dir, False, tensorboard, None
-        self.jsonl = os.path.join(output_dir, "metrics.jsonl")
+        self.dir, self.enabled, self.tensorboard, self.writer = RunDir(output_dir), False, tensorboard, None
+        self.jsonl = self.dir.metrics
         if enabled and not resume and os.path.exists(self.jsonl):
             os.remove(self.jsonl)  # a fresh run starts a fresh record; a resumed one continues it
         self.set_enabled(enabled)
@@ -21,11 +28,11 @@ class Reporter:
     def set_enabled(self, enabled):
         """Start or stop writing (in an elastic run the writing rank can change after a reset)."""
         if enabled and not self.enabled:
-            os.makedirs(self.output_dir, exist_ok=True)
+            os.makedirs(self.dir.root, exist_ok=True)
             if self.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(os.path.join(self.output_dir, "tensorboard"))
+                self.writer = SummaryWriter(self.dir.tensorboard)
         elif not enabled:
             self.close()
         self.enabled = enabled
@@ -41,10 +48,11 @@ class Reporter:
                     self.writer.add_scalar(key.replace("_", "/", 1), value, record["epoch"])
             self.writer.flush()
 
-    def plot(self, history, path):
-        """Loss curves (and accuracy, where the task has one) per epoch, to a PNG."""
+    def plot(self, history):
+        """Loss curves (and accuracy, where the task has one) per epoch, to curves.png; returns its path."""
         if not self.enabled or not history:
             return None
+        path = self.dir.curves
         import matplotlib
 
         matplotlib.use("Agg")  # no display on cluster nodes
@@ -78,27 +86,9 @@ def seconds_since_start():
     return time.time() - psutil.Process().create_time()
 
 
-def read_json_or_none(path):
-    """The JSON object in `path`, or None where there is no such file or it is not valid JSON."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def write_json(path, obj):
-    """Write via a temporary file and rename, so a reader never sees half a file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def build_summary(cfg, rt, task, state, lr, fingerprints):
     """The run's headline figures and its full history, for summary.json."""
-    history, last = state["history"], state["history"][-1]
+    history, last = state.history, state.history[-1]
     summary = {
         "config_name": cfg.run.name or "default", "world_size": rt.size, "local_size": rt.local_size,
         "device": str(rt.device), "controller": rt.controller, "tensor_ops": rt.tensor_ops,
@@ -107,19 +97,57 @@ def build_summary(cfg, rt, task, state, lr, fingerprints):
         "epochs": cfg.optim.epochs, "batch_size_per_rank": cfg.optim.batch_size,
         "global_batch_size": cfg.optim.batch_size * rt.size * cfg.horovod.batches_per_allreduce,
         "base_lr": cfg.optim.lr, "lr": lr, "lr_schedule": cfg.optim.lr_schedule,
-        "best_metric": task.best_metric, "best_value": state["best_metric"], "best_epoch": state["best_epoch"],
-        "best_checkpoint": os.path.join(cfg.run.output_dir, "checkpoints", "best.pt"),
+        "best_metric": task.best_metric, "best_value": state.best_metric, "best_epoch": state.best_epoch,
+        "best_checkpoint": RunDir(cfg.run.output_dir).checkpoint("best.pt"),
         "final_val_loss": last["val_loss"],
         "train_samples_per_sec": sum(r["train_count"] for r in history) / sum(r["epoch_seconds"] for r in history),
         "params_in_sync": len(set(fingerprints)) == 1, "params_fingerprints": fingerprints,
         "wall_seconds": seconds_since_start(), "process_start_time": psutil.Process().create_time(),
         "history": history,
     }
-    if "stopped_at" in state:  # --stop-at ended the run early
-        summary["stopped_at_epoch"] = state["stopped_at"]
-    if "elastic" in state:
-        summary["elastic"] = state["elastic"]
+    if state.stopped_at is not None:  # --stop-at ended the run early
+        summary["stopped_at_epoch"] = state.stopped_at
+    if state.elastic is not None:
+        summary["elastic"] = state.elastic
     if "val_acc1" in last:
         summary["best_val_acc1"] = max(r["val_acc1"] for r in history)
         summary["final_val_acc1"] = last["val_acc1"]
     return summary
+
+
+def log_setup(cfg, rt, info, trainer, resumed_epoch):
+    """The batch and learning-rate arithmetic, and who is running where: the first thing to check in a log."""
+    accumulate, lr_scale = cfg.horovod.batches_per_allreduce, trainer.schedule.lr_scale
+    log.info("hvd-train %s: %d rank(s), %d per host, device %s, %d CPU thread(s) per rank, controller %s, "
+             "tensor ops %s, fusion %g MB, cycle %g ms", cfg.run.name or "default", rt.size, rt.local_size,
+             rt.device, rt.threads, rt.controller, rt.tensor_ops, rt.fusion_threshold_mb, rt.cycle_time_ms)
+    log.info("data %s: %d train / %d val samples of %dx%dx%d; model %s (%s, %.2fM parameters)", cfg.data.dataset,
+             info.num_train, info.num_val, info.in_channels, info.image_size, info.image_size, cfg.model.name,
+             trainer.task.name, sum(p.numel() for p in trainer.model.parameters()) / 1e6)
+    log.info("batch %d per rank x %d ranks x %d per allreduce = %d global; lr %g base x %d = %g, %s schedule, "
+             "%g warmup epochs; amp %s%s%s", cfg.optim.batch_size, rt.size, accumulate,
+             cfg.optim.batch_size * rt.size * accumulate, cfg.optim.lr, lr_scale, cfg.optim.lr * lr_scale,
+             cfg.optim.lr_schedule, cfg.optim.warmup_epochs, cfg.optim.amp,
+             ", channels-last" if cfg.model.channels_last else "",
+             f"; resuming after epoch {resumed_epoch}" if resumed_epoch else "")
+
+
+def finish(cfg, rt, trainer, state, reporter):
+    """End of training on every rank: compare the ranks' weights (a collective), then rank 0 writes summary.json
+    and the curves. Returns the exit code: 1 when the ranks' weights differ."""
+    # Every rank must end with the same weights; a difference means gradients were not averaged.
+    fingerprints = hvd_utils.fingerprints_by_rank(trainer.model)
+    task, lr = trainer.task, cfg.optim.lr * trainer.schedule.lr_scale
+    if rt.is_main:
+        summary = build_summary(cfg, rt, task, state, lr, fingerprints)
+        summary["curves_png"] = reporter.plot(state.history) if cfg.logging.plot else None
+        path = RunDir(cfg.run.output_dir).summary
+        write_json(path, summary)
+        log.info("done: best %s %.4g (epoch %s), %.0f train samples/s, %.1fs wall; summary in %s",
+                 task.best_metric, state.best_metric, state.best_epoch, summary["train_samples_per_sec"],
+                 summary["wall_seconds"], path)
+    if len(set(fingerprints)) != 1:
+        log.error("ranks ended with different parameters (fingerprints %s): gradients were not averaged",
+                  fingerprints)
+        return 1
+    return 0

@@ -1,0 +1,137 @@
+"""The one place that builds what a mode needs: checks first, then data, model, optimizer, schedule, the Trainer.
+
+Each mode calls only the builders it uses (evaluation builds no optimizer; elastic training its own sampler).
+"""
+import torch
+
+import hvd_utils
+from data import DATASETS, LoaderSpec, build_datasets, build_loaders, download_fn
+from hvd_train.engine import StepOptions, Trainer
+from hvd_train.errors import ConfigError
+from hvd_train.schedule import LRSchedule
+from hvd_train.tasks import TASKS
+from models import MODELS, build_model, model_names, model_task, to_channels_last
+
+
+def check_choices(cfg):
+    """Unknown names and impossible combinations fail here, before any rank starts Horovod."""
+    # The built-in models first: naming one must not need torchvision (a site's own torch may come without it).
+    if cfg.model.name not in MODELS and cfg.model.name not in model_names():
+        raise ConfigError(f"--model={cfg.model.name!r} is not known; choose small_cnn, vae or a torchvision "
+                          f"classification model ({', '.join(model_names()[2:8])}, ...)")
+    if cfg.data.dataset not in DATASETS:
+        raise ConfigError(f"--dataset={cfg.data.dataset!r} is not known; choose one of: {', '.join(DATASETS)}")
+    if cfg.run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no GPU is visible to this process (torch.cuda.is_available() is False); "
+                          "check CUDA_VISIBLE_DEVICES and the driver, or use --device cpu")
+    if cfg.optim.amp == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("--amp fp16 needs a GPU (no CUDA device is visible); use --amp bf16 on the CPU")
+    if cfg.horovod.sync_bn and not torch.cuda.is_available():
+        raise ConfigError("--sync-bn needs GPUs: Horovod's SyncBatchNorm works on CUDA tensors only (no CUDA "
+                          "device is visible). On the CPU, leave it off: BatchNorm statistics are averaged over "
+                          "the ranks after every epoch anyway")
+
+
+def check_shards(num_train, world_size, batch_per_step):
+    """Every rank needs samples of its own, and at least one full batch of them."""
+    if num_train < world_size:
+        raise ConfigError(f"{num_train} training sample(s) cannot be shared by {world_size} ranks: use fewer ranks "
+                          f"or more data")
+    shard = -(-num_train // world_size)  # DistributedSampler's shard size, padding included
+    if batch_per_step > shard:
+        raise ConfigError(f"a step takes {batch_per_step} samples per rank (--batch-size x --batches-per-allreduce) "
+                          f"but each of the {world_size} ranks holds only {shard} of the {num_train} training "
+                          f"samples; lower --batch-size or use fewer ranks")
+
+
+def build_model_for(cfg, info, device):
+    """The configured model for info's images, on `device` (with hvd.SyncBatchNorm layers under --sync-bn, laid
+    out channels-last under --channels-last)."""
+    try:
+        model = build_model(cfg.model.name, info.in_channels, info.num_classes, info.image_size)
+    except ValueError as e:  # e.g. an image size the model cannot take: a setting to change, not a crash
+        raise ConfigError(str(e)) from None
+    if cfg.horovod.sync_bn:
+        model = hvd_utils.sync_batch_norm(model)
+    if cfg.model.channels_last:
+        try:
+            model = to_channels_last(model)
+        except ValueError as e:
+            raise ConfigError(f"model.channels_last (--channels-last): {cfg.model.name}: {e}; leave it off") from None
+    return model.to(device)  # keeps the weights' layout
+
+
+def param_groups(model, weight_decay, decay_norm_and_bias=False):
+    """Two groups: weights with weight decay; biases and normalization parameters (all 1-d tensors) without,
+    since shrinking them toward zero only hurts (the usual practice since Goyal et al. 2017)."""
+    if decay_norm_and_bias or weight_decay == 0:
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim <= 1 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model, optim_cfg, lr):
+    """SGD (momentum, optionally Nesterov), Adam or AdamW at learning rate `lr` (already scaled)."""
+    groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.decay_norm_and_bias)
+    if optim_cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=optim_cfg.momentum, nesterov=optim_cfg.nesterov)
+    if optim_cfg.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=lr)
+    if optim_cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr)
+    raise ValueError(f"unknown optimizer {optim_cfg.optimizer!r}")
+
+
+def lr_scale(cfg, world_size):
+    return hvd_utils.lr_scale(world_size, cfg.horovod.batches_per_allreduce, cfg.horovod.use_adasum)
+
+
+def build_distributed_optimizer(cfg, model, world_size):
+    """The configured optimizer at the scaled rate, wrapped by Horovod."""
+    optimizer = build_optimizer(model, cfg.optim, cfg.optim.lr * lr_scale(cfg, world_size))
+    # One process that stays one (not elastic) has nothing to average: unwrapped, its steps skip a round trip
+    # through Horovod's background thread per step (bench/NOTES.md).
+    if world_size > 1 or cfg.horovod.elastic:
+        optimizer = hvd_utils.distributed_optimizer(
+            optimizer, model, batches_per_allreduce=cfg.horovod.batches_per_allreduce,
+            fp16_allreduce=cfg.horovod.fp16_allreduce, use_adasum=cfg.horovod.use_adasum,
+            gradient_predivide_factor=cfg.horovod.gradient_predivide_factor)
+    return optimizer
+
+
+def build_trainer(cfg, info, rt):
+    """Model (on rt.device), task, Horovod-wrapped optimizer, learning-rate schedule and fp16 scaler for rt.size
+    ranks. Every rank gets its own random weights here: a mode broadcasts rank 0's (or a checkpoint's) next."""
+    model = build_model_for(cfg, info, rt.device)
+    # Horovod: the learning rate scaled with the global batch; gradients averaged across ranks by the optimizer.
+    optimizer = build_distributed_optimizer(cfg, model, rt.size)
+    return Trainer(model=model, task=TASKS[model_task(cfg.model.name)], optimizer=optimizer,
+                   schedule=LRSchedule(cfg.optim, lr_scale(cfg, rt.size)), device=rt.device,
+                   opts=StepOptions.from_config(cfg, rt.is_main), epochs=cfg.optim.epochs,
+                   scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None)
+
+
+def loader_spec(cfg, device):
+    """The loaders' settings: a step's samples per rank (batch x batches per allreduce), seed, workers."""
+    return LoaderSpec(cfg.optim.batch_size * cfg.horovod.batches_per_allreduce, cfg.run.seed, cfg.data.workers,
+                      pin_memory=device.type == "cuda")
+
+
+def prepare_data(cfg):
+    """(train set, val set, DataInfo); a missing data set is fetched first where --download says so."""
+    if cfg.data.download and download_fn(cfg.data.dataset) is not None:
+        # Horovod: one download per host, into the shared --data-dir; the other ranks on the host wait for it.
+        hvd_utils.run_on_local_root(lambda: download_fn(cfg.data.dataset)(cfg.data.data_dir),
+                                    f"downloading {cfg.data.dataset}")
+    return build_datasets(cfg.data)
+
+
+def build_data(cfg, rt):
+    """DataInfo and (train loader, val loader, train sampler) for a fixed set of rt.size ranks."""
+    train_set, val_set, info = prepare_data(cfg)
+    spec = loader_spec(cfg, rt.device)
+    check_shards(info.num_train, rt.size, spec.batch_size)
+    return info, build_loaders(train_set, val_set, spec, rt.rank, rt.size)

@@ -1,0 +1,251 @@
+"""A training step, an epoch, validation, and the one training loop that every mode drives.
+
+Per-step work stays on the device: loss terms and counts are summed into tensors and read back once per epoch, when
+they are reduced across ranks in one allreduce. The only other host syncs are every `log_every` steps, for the
+progress bar and the all-rank check for a non-finite loss. Every rank runs the same collectives in the same order.
+fit() is the loop; a mode adds what it needs through Hooks (the sampler's epoch, the point of training that sets
+the learning rate, per-step work such as an elastic commit, and what follows each epoch).
+"""
+import contextlib
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+import hvd_utils
+from hvd_train.errors import NonFiniteLossError
+from hvd_train.metrics import averages
+
+log = logging.getLogger("hvd_train")
+
+
+@dataclass
+class StepOptions:
+    """How every step runs; read from the config once and passed down as one value."""
+    accumulate: int = 1           # backward passes per optimizer step (horovod.batches_per_allreduce)
+    amp: str = "off"              # autocast dtype: off, bf16 or fp16
+    clip_grad: float = 0.0        # clip the averaged gradients' norm to this; 0: off
+    log_every: int = 20           # steps between the non-finite check and progress-bar updates
+    show_progress: bool = False   # this rank draws the progress bar
+    progress_every: float = 60.0  # seconds between progress lines when stderr is not a terminal
+
+    @classmethod
+    def from_config(cls, cfg, is_main):
+        return cls(cfg.horovod.batches_per_allreduce, cfg.optim.amp, cfg.optim.clip_grad, cfg.logging.log_every,
+                   is_main and cfg.logging.progress, cfg.logging.progress_every)
+
+
+@dataclass
+class Trainer:
+    """What a step needs: the model and its task, the (Horovod-wrapped) optimizer and its learning-rate schedule,
+    the AMP gradient scaler (fp16 only), the device, the step options and the number of epochs."""
+    model: torch.nn.Module
+    task: object
+    optimizer: torch.optim.Optimizer
+    schedule: object
+    device: torch.device
+    opts: StepOptions
+    epochs: int = 1
+    scaler: Optional[object] = None
+
+
+class Hooks:
+    """What a mode adds to fit(); these defaults suit a fixed set of ranks with a DistributedSampler."""
+
+    def __init__(self, sampler=None, on_epoch_end=None, state=None):
+        self.sampler, self.on_epoch_end, self.state = sampler, on_epoch_end, state
+
+    def epoch_start(self, epoch):
+        if self.sampler is not None:
+            # Horovod: a new shuffle every epoch, the same on every rank, so the shards stay disjoint.
+            self.sampler.set_epoch(epoch)
+
+    def position(self, epoch, step, steps):
+        """Epochs done (fractional) before step `step` (0-based) of an epoch of `steps`: sets the rate."""
+        return epoch - 1 + step / steps
+
+    def after_step(self, epoch):
+        """After every optimizer step: count it in the run state (checkpoints record it)."""
+        if self.state is not None:
+            self.state.step += 1
+
+    def epoch_end(self, epoch, record):
+        """After every epoch, on every rank; true ends training there."""
+        return bool(self.on_epoch_end(epoch, record)) if self.on_epoch_end is not None else False
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Steps and epochs
+
+
+def autocast(device, amp):
+    """Mixed precision for the forward pass: bf16 (CPU and GPU) or fp16 (GPU); off gives a no-op context."""
+    if amp == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
+def train_step(trainer, images, labels):
+    """One optimizer step on one batch, split into `accumulate` backward passes; returns the batch's metric sums.
+
+    Horovod's DistributedOptimizer allreduces each gradient after `accumulate` backward passes. The step then
+    goes synchronize -> unscale/clip -> step without a second synchronize, so the scaler and the clipping see
+    the averaged gradients, not this rank's.
+    """
+    t, opts = trainer, trainer.opts
+    t.optimizer.zero_grad()  # Horovod's wrapper takes no arguments; torch's default sets the gradients to None
+    sums = {}
+    n = labels.shape[0]
+    for chunk_images, chunk_labels in zip(images.chunk(opts.accumulate), labels.chunk(opts.accumulate)):
+        with autocast(images.device, opts.amp):
+            loss, outputs = t.task.losses(t.model, chunk_images, chunk_labels)
+        # Weight each chunk by its share of the batch: the gradient is the batch mean, however it was split.
+        weighted = loss * (chunk_labels.shape[0] / n) if opts.accumulate > 1 else loss
+        (t.scaler.scale(weighted) if t.scaler is not None else weighted).backward()
+        for key, value in t.task.sums(loss, outputs, chunk_labels).items():
+            sums[key] = sums[key] + value if key in sums else value
+
+    def before_step():
+        if t.scaler is not None:
+            t.scaler.unscale_(t.optimizer)
+        if opts.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(t.model.parameters(), opts.clip_grad)
+
+    step = (lambda: t.scaler.step(t.optimizer)) if t.scaler is not None else t.optimizer.step
+    hvd_utils.apply_gradients(t.optimizer, step, before_step)
+    if t.scaler is not None:
+        t.scaler.update()
+    return sums
+
+
+def _add(total, sums, device):
+    """total += sums, per key, in float64 on the device: allocated at the first step, added in place after."""
+    for key, value in sums.items():
+        if key in total:
+            total[key].add_(value)
+        else:
+            total[key] = torch.as_tensor(value, device=device, dtype=torch.float64).clone()
+
+
+def train_one_epoch(trainer, loader, epoch, hooks):
+    """Train on this rank's shard for one epoch; returns this rank's metric sums as float64 tensors.
+
+    Before each step the learning rate is set for hooks.position(); after it hooks.after_step() runs. Raises
+    NonFiniteLossError on every rank when any rank saw a NaN or infinite loss (checked every log_every steps and
+    at the end, with one tiny allreduce).
+    """
+    t, opts = trainer, trainer.opts
+    t.model.train()
+    total = {}
+    # On a terminal the bar redraws in place. In a log (horovodrun and mpirun pipe the output) every redraw is a
+    # new line, so there it appears only for epochs longer than progress_every seconds, and updates that often.
+    quiet = 0.0 if sys.stderr.isatty() else opts.progress_every
+    bar = tqdm(total=len(loader), desc=f"epoch {epoch}/{t.epochs}", unit="step", disable=not opts.show_progress,
+               dynamic_ncols=True, leave=False, delay=quiet, mininterval=max(0.1, quiet))
+    start = time.perf_counter()
+    for step, (images, labels) in enumerate(loader, 1):
+        t.schedule.apply(t.optimizer, hooks.position(epoch, step - 1, len(loader)))
+        images, labels = images.to(t.device, non_blocking=True), labels.to(t.device, non_blocking=True)
+        _add(total, train_step(t, images, labels), t.device)
+        hooks.after_step(epoch)
+        bar.update(1)
+        if step % opts.log_every == 0 or step == len(loader):
+            # The one host sync every log_every steps: all ranks learn whether any loss went non-finite. A NaN or
+            # infinite loss leaves the running loss sum non-finite for good, so checking the sum covers every step.
+            if hvd_utils.sum_across_ranks(~torch.isfinite(total["loss_sum"]), name="nonfinite") > 0:
+                bar.close()
+                raise NonFiniteLossError(f"the loss became NaN or infinite at epoch {epoch}, step {step} on at "
+                                         f"least one rank; lower --lr, use --clip-grad, or check the data")
+            seen = float(total["count"])
+            bar.set_postfix(loss=f"{float(total['loss_sum']) / max(1.0, seen):.4f}",
+                            lr=f"{t.optimizer.param_groups[0]['lr']:.3g}",
+                            samples_s=f"{seen / (time.perf_counter() - start):.0f}", refresh=False)
+    bar.close()
+    return total
+
+
+@torch.no_grad()
+def evaluate(model, task, loader, device, amp="off"):
+    """Evaluate on this rank's shard; returns this rank's metric sums."""
+    model.eval()
+    total = {}
+    for images, labels in loader:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with autocast(device, amp):
+            loss, outputs = task.losses(model, images, labels)
+        _add(total, task.sums(loss, outputs, labels), device)
+    return total
+
+
+def evaluate_all(model, task, loader, device, amp="off"):
+    """Evaluate across all ranks: exact global metrics (one allreduce; a rank with no samples adds zeros)."""
+    return averages(reduce_sums(task, evaluate(model, task, loader, device, amp), name="val_sums"))
+
+
+def reduce_sums(task, local, name):
+    """Sum a task's metric sums over all ranks; every key is sent even where this rank has none."""
+    zero = torch.zeros((), dtype=torch.float64)
+    return hvd_utils.allreduce_sums({k: local.get(k, zero) for k in task.keys}, name=name)
+
+
+def fit(trainer, train_loader, val_loader, hooks, first_epoch=1):
+    """Train epochs first_epoch..trainer.epochs, validating after each; hooks.epoch_end(epoch, record) returning
+    true (a --stop-at target reached: the same on every rank, as the record is reduced) ends training there.
+
+    An elastic run re-enters it after every reset, at the epoch of its last commit: its sampler then yields only
+    the samples that epoch has not processed yet.
+    """
+    for epoch in range(first_epoch, trainer.epochs + 1):
+        hooks.epoch_start(epoch)
+        lr = trainer.schedule.apply(trainer.optimizer, hooks.position(epoch, 0, max(1, len(train_loader))))
+        start = time.perf_counter()
+        train_sums = train_one_epoch(trainer, train_loader, epoch, hooks)
+        record = close_epoch(trainer, train_sums, val_loader, EpochTiming(epoch, lr, start))
+        if hooks.epoch_end(epoch, record):
+            break
+
+
+@dataclass
+class EpochTiming:
+    epoch: int
+    lr: float      # the rate at the epoch's first step
+    start: float   # time.perf_counter() when its first step began
+
+
+def close_epoch(trainer, train_sums, val_loader, timing):
+    """After an epoch's steps, on every rank: reduce the training sums, agree on BatchNorm statistics, validate,
+    log one line; returns the epoch's record. (After an elastic reset mid-epoch the training sums cover the steps
+    since the reset; validation is always complete.)"""
+    t = trainer
+    train = averages(reduce_sums(t.task, train_sums, name="train_sums"))
+    epoch_seconds = time.perf_counter() - timing.start
+    hvd_utils.average_buffers(t.model)  # BatchNorm statistics agree before validation and checkpoints
+    val = evaluate_all(t.model, t.task, val_loader, t.device, t.opts.amp)
+    record = epoch_record(timing.epoch, timing.lr, epoch_seconds, train, val)
+    log.info(format_record(timing.epoch, t.epochs, train, val, record))
+    return record
+
+
+def epoch_record(epoch, lr, epoch_seconds, train, val):
+    """The flat record written to metrics.jsonl, the history and TensorBoard: train_* and val_* terms."""
+    record = {"epoch": epoch, "lr": lr, "epoch_seconds": epoch_seconds,
+              "samples_per_sec": train["count"] / epoch_seconds}
+    record.update({f"train_{k}": v for k, v in train.items()})
+    record.update({f"val_{k}": v for k, v in val.items()})
+    return record
+
+
+def format_record(epoch, epochs, train, val, record):
+    """One line per epoch: train and validation terms, top-1/top-5 where there are any, rate and time."""
+    def terms(metrics):
+        names = sorted((k for k in metrics if k != "count"),
+                       key=lambda name: (name.startswith("acc"), name != "loss", name))  # loss first, then terms
+        return " ".join(f"top-{k[3:]} {metrics[k]:.2f}%" if k.startswith("acc") else f"{k} {metrics[k]:.4f}"
+                        for k in names)
+
+    return (f"epoch {epoch}/{epochs}  train {terms(train)}  val {terms(val)}  lr {record['lr']:.4g}  "
+            f"{record['samples_per_sec']:.0f} samples/s  {record['epoch_seconds']:.2f}s")

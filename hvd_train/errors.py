@@ -1,0 +1,13 @@
+"""The errors a user can fix, each raised on every rank at the same point; train_hvd.cli reports them once."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the reason and the fix."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or run directory is missing, unreadable or does not fit this run; the message names the file."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """A loss was NaN or infinite on at least one rank; raised on every rank at the same step."""

@@ -1,0 +1,131 @@
+"""--elastic: the training loop of a fixed run (engine.fit) inside Horovod's elastic loop, for jobs whose workers
+come and go (horovodrun --min-np/--max-np --host-discovery-script).
+
+State committed with state.commit() survives: on a reset every worker rolls back to the last commit and re-enters
+fit() at that epoch; the sampler yields only the samples the epoch has not processed, and the learning rate follows
+the fraction of the epoch done, so the schedule holds whatever the number of workers.
+"""
+import dataclasses
+import logging
+
+import hvd_utils
+from data import build_loaders
+from hvd_train.build import build_trainer, check_shards, loader_spec, lr_scale, prepare_data
+from hvd_train.engine import Hooks, fit
+from hvd_train.errors import ConfigError
+from hvd_train.reporting import finish, log_setup
+from hvd_train.run_dir import write_json
+from hvd_train.run_state import AfterEpoch, RunState, outputs_for, resume
+from hvd_utils import elastic
+
+log = logging.getLogger("hvd_train")
+
+
+class ElasticHooks(Hooks):
+    """fit()'s hooks in an elastic run: the sampler's position and the step counters are committed every
+    `commit_every` steps and after each epoch; `redone` counts the steps a reset rolled back."""
+
+    def __init__(self, st, sampler, after_epoch, commit_every, batch_size):
+        super().__init__(sampler, after_epoch, after_epoch.state)
+        self.st, self.commit_every, self.batch_size = st, commit_every, batch_size
+        self.epochs = after_epoch.trainer.epochs
+        self.num_samples = len(sampler.dataset)
+        self.done = {"epoch": 1, "batch": 0}  # the last step done, before any rollback
+        self.resets = self.redone = 0
+
+    def epoch_start(self, epoch):
+        """Nothing: Horovod's ElasticSampler starts a new epoch when set_epoch is called at the end of the last."""
+
+    def position(self, epoch, step, steps):
+        return epoch - 1 + min(1.0, self.sampler.processed_num / self.num_samples)
+
+    def after_step(self, epoch):
+        st = self.st
+        st.batch += 1
+        st.steps += 1
+        self.sampler.record_batch(st.batch, self.batch_size)
+        self.done = {"epoch": epoch, "batch": st.batch}
+        if st.batch % self.commit_every == 0:
+            st.commit()  # also where a worker learns that hosts were added or removed
+
+    def epoch_end(self, epoch, record):
+        st = self.st
+        self.state.step = st.steps
+        stop = super().epoch_end(epoch, record)
+        self.sampler.set_epoch(epoch + 1)
+        st.batch, st.epoch = 0, (self.epochs + 1 if stop else epoch + 1)
+        st.commit()
+        return stop
+
+    def count_reset(self):
+        if self.done["epoch"] == self.st.epoch:
+            self.redone += self.done["batch"] - self.st.batch
+        self.resets += 1
+
+
+def run(cfg, rt):
+    """Nothing here runs a collective before Horovod's elastic loop: a worker that joins later starts this script
+    while the others are inside the loop. The output directory is claimed, and a checkpoint loaded, inside it, once.
+    """
+    if not elastic.under_elastic_launcher():
+        raise ConfigError("--elastic needs horovodrun's elastic mode: horovodrun -np N --min-np M --max-np K "
+                          "--host-discovery-script hostfiles/discover_hosts.py python train_hvd.py --elastic")
+    train_set, val_set, info = prepare_data(cfg)
+    spec = loader_spec(cfg, rt.device)
+    check_shards(info.num_train, rt.size, spec.batch_size)
+    trainer = build_trainer(cfg, info, rt)
+    sampler = elastic.sampler(train_set, cfg.run.seed)
+    sampler.set_epoch(1)
+    train_loader = build_loaders(train_set, val_set, spec, rt.rank, rt.size, train_sampler=sampler)[0]
+    state, outputs = RunState(), outputs_for(cfg, info, trainer.task, is_main=False)
+    st = elastic.state(trainer.model, trainer.optimizer, sampler, epoch=1, batch=0, steps=0, claimed=False)
+    hooks = ElasticHooks(st, sampler, AfterEpoch(cfg, trainer, state, outputs), cfg.horovod.commit_every,
+                         spec.batch_size)
+
+    def take_roles():
+        # Rank 0 of the current workers writes; after a reset that may be another process than before. The rate
+        # follows the number of workers.
+        rank, size, _ = elastic.world()
+        logging.getLogger().setLevel(logging.INFO if rank == 0 else logging.WARNING)
+        outputs.checkpointer.enabled = rank == 0
+        outputs.reporter.set_enabled(rank == 0)
+        trainer.opts.show_progress = cfg.logging.progress and rank == 0
+        trainer.schedule.lr_scale = lr_scale(cfg, size)
+
+    def on_reset():
+        hooks.count_reset()
+        take_roles()
+        log.info("workers changed: now %d; continuing from epoch %d, step %d (the last commit)", elastic.world()[1],
+                 st.epoch, st.batch)
+
+    st.register_reset_callbacks([on_reset])
+
+    @elastic.run
+    def train(st):
+        if not st.claimed:
+            resume_from = hvd_utils.decide_on_root(
+                lambda: outputs.run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite), "output_dir")
+            if resume_from:
+                resume(resume_from, trainer, state, outputs.fits)
+                st.epoch, st.steps = state.epoch + 1, state.step
+                sampler.set_epoch(st.epoch)
+            st.claimed = True
+            take_roles()
+            if elastic.world()[0] == 0:
+                write_json(outputs.run_dir.config, cfg.to_dict())
+            log_setup(cfg, rt, info, trainer, st.epoch - 1)
+            st.commit()
+        # Validation shards follow the current set of workers.
+        rank, size, _ = elastic.world()
+        val_loader = build_loaders(train_set, val_set, spec, rank, size)[1]
+        fit(trainer, train_loader, val_loader, hooks, first_epoch=st.epoch)
+
+    try:
+        train(st)
+    finally:
+        outputs.reporter.close()
+    rank, size, local_size = elastic.world()
+    state.elastic = {"resets": hooks.resets, "steps_redone": hooks.redone, "commit_every": cfg.horovod.commit_every,
+                     "steps": st.steps}
+    return finish(cfg, dataclasses.replace(rt, rank=rank, size=size, local_size=local_size), trainer, state,
+                  outputs.reporter)

@@ -1,0 +1,34 @@
+"""--evaluate --resume PATH|auto: a checkpoint's metrics on the validation set, over every rank's shard."""
+import logging
+import os
+
+import hvd_utils
+from data import build_loaders
+from hvd_train.build import build_model_for, loader_spec, prepare_data
+from hvd_train.engine import evaluate_all
+from hvd_train.errors import CheckpointError
+from hvd_train.run_dir import RunDir, write_json
+from hvd_train.run_state import checkpoint_fits
+from hvd_train.tasks import TASKS
+from models import model_task
+
+log = logging.getLogger("hvd_train")
+
+
+def run(cfg, rt):
+    train_set, val_set, info = prepare_data(cfg)
+    _, val_loader, _ = build_loaders(train_set, val_set, loader_spec(cfg, rt.device), rt.rank, rt.size)
+    run_dir = RunDir(cfg.run.output_dir)
+    path = hvd_utils.decide_on_root(lambda: run_dir.resolve(cfg.checkpoint.resume), "evaluate")
+    if path is None:
+        raise CheckpointError(f"--evaluate --resume auto: no checkpoint in {run_dir.checkpoints} to evaluate")
+    task = TASKS[model_task(cfg.model.name)]
+    model = build_model_for(cfg, info, rt.device)
+    meta = hvd_utils.load_checkpoint(path, model, checkpoint_fits(cfg, info, task))
+    metrics = evaluate_all(model, task, val_loader, rt.device, cfg.optim.amp)
+    log.info("evaluated %s (epoch %d) on %d samples: %s", path, meta["epoch"], metrics["count"],
+             "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "count"))
+    if rt.is_main:
+        os.makedirs(run_dir.root, exist_ok=True)
+        write_json(run_dir.evaluation, {"checkpoint": path, "epoch": meta["epoch"], "world_size": rt.size, **metrics})
+    return 0

@@ -1,0 +1,116 @@
+"""The run directory (--output-dir): every file a run writes, how the directory is claimed, and the one writer.
+
+    <output dir>/config.json        the resolved configuration
+    <output dir>/metrics.jsonl      one record per epoch, appended as training goes
+    <output dir>/summary.json       headline figures and the whole history, at the end (benchmark: its figures)
+    <output dir>/evaluation.json    --evaluate's metrics
+    <output dir>/curves.png         loss and accuracy curves
+    <output dir>/tensorboard/       TensorBoard events
+    <output dir>/checkpoints/       epoch_NNNN.pt, last.pt, best.pt
+
+Only rank 0 writes, and every write goes through atomic_write: a reader, or a run killed halfway, sees the old
+file or the new one, never half of one.
+"""
+import json
+import os
+import shutil
+
+from hvd_train.errors import CheckpointError
+
+
+class RunDir:
+    # What a run leaves behind; a fresh run refuses to start over these unless told to.
+    RUN_FILES = ("checkpoints/last.pt", "summary.json", "metrics.jsonl")
+    REPLACED_ON_OVERWRITE = ("summary.json", "metrics.jsonl", "config.json", "curves.png", "tensorboard",
+                             "checkpoints")
+
+    def __init__(self, root):
+        self.root = root
+        self.config = self.path("config.json")
+        self.metrics = self.path("metrics.jsonl")
+        self.summary = self.path("summary.json")
+        self.evaluation = self.path("evaluation.json")
+        self.curves = self.path("curves.png")
+        self.tensorboard = self.path("tensorboard")
+        self.checkpoints = self.path("checkpoints")
+
+    def path(self, name):
+        return os.path.join(self.root, name)
+
+    def checkpoint(self, name):
+        """checkpoints/<name>: last.pt, best.pt or epoch_NNNN.pt."""
+        return os.path.join(self.checkpoints, name)
+
+    def resolve(self, resume):
+        """The checkpoint named by --resume: a path, or `auto` for checkpoints/last.pt (None when there is none yet,
+        so a job script can always pass --resume auto)."""
+        if resume == "auto":
+            last = self.checkpoint("last.pt")
+            return last if os.path.isfile(last) else None
+        if not os.path.isfile(resume):
+            raise CheckpointError(f"--resume {resume}: no such file")
+        return resume
+
+    def claim(self, resume, overwrite):
+        """Decide how a training run uses this directory without losing an earlier run; returns the checkpoint to
+        resume from, or None for a fresh start. A directory holding a run is continued (--resume), replaced
+        (--overwrite), or refused with the choices named."""
+        found = [f for f in self.RUN_FILES if os.path.exists(self.path(f))]
+        if resume:
+            path = self.resolve(resume)
+            if path is None and found:
+                raise CheckpointError(f"--resume auto: {self.root} holds a run ({', '.join(found)}) but no "
+                                      f"checkpoints/last.pt to continue from; pass --overwrite to replace it, or "
+                                      f"choose another --output-dir")
+            return path
+        if found and not overwrite:
+            raise CheckpointError(f"{self.root} already holds a run ({', '.join(found)}); continue it with --resume "
+                                  f"auto, replace it with --overwrite, or choose another --output-dir")
+        if found:
+            for name in self.REPLACED_ON_OVERWRITE:
+                path = self.path(name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+        return None
+
+    def claim_for_benchmark(self, overwrite):
+        """A benchmark writes summary.json: it may replace an earlier benchmark's, never a training run's."""
+        summary = read_json_or_none(self.summary)
+        holds_run = os.path.exists(self.checkpoints) or (summary is not None and summary.get("mode") != "benchmark")
+        if holds_run and not overwrite:
+            raise CheckpointError(f"{self.root} holds a training run; give the benchmark another --output-dir, or "
+                                  f"replace the run with --overwrite")
+
+
+def atomic_write(path, write, binary=False, sync=False):
+    """write(file) into a temporary file beside `path`, then rename it over `path`. sync: flush to disk first
+    (checkpoints, which must survive a crash of the machine too)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb" if binary else "w") as f:
+            write(f)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json(path, obj):
+    def dump(f):
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+    atomic_write(path, dump)
+
+
+def read_json_or_none(path):
+    """The JSON object in `path`, or None where there is no such file or it is not valid JSON."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
