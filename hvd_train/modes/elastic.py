@@ -102,7 +102,9 @@ def run(cfg, rt):
 
     @elastic.run
     def train(st):
-        if not st.claimed:
+        if st.claimed:
+            take_roles()  # again: a worker that joined the running job has seen no reset to call it
+        else:
             resume_from = hvd_utils.decide_on_root(
                 lambda: outputs.run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite), "output_dir")
             if resume_from:
@@ -110,7 +112,7 @@ def run(cfg, rt):
                 st.epoch, st.steps = state.epoch + 1, state.step
                 sampler.set_epoch(st.epoch)
             st.claimed = True
-            take_roles()
+            take_roles()  # only now: rank 0's reporter writes into the directory it has claimed
             if elastic.world()[0] == 0:
                 write_json(outputs.run_dir.config, cfg.to_dict())
             log_setup(cfg, rt, info, trainer, st.epoch - 1)
