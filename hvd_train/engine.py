@@ -201,7 +201,8 @@ def fit(trainer, train_loader, val_loader, hooks, first_epoch=1):
     """
     for epoch in range(first_epoch, trainer.epochs + 1):
         hooks.epoch_start(epoch)
-        lr = trainer.schedule.apply(trainer.optimizer, hooks.position(epoch, 0, max(1, len(train_loader))))
+        # The rate of the epoch's first step, for its record (train_one_epoch sets it before every step).
+        lr = trainer.schedule.lr(hooks.position(epoch, 0, max(1, len(train_loader))))
         start = time.perf_counter()
         train_sums = train_one_epoch(trainer, train_loader, epoch, hooks)
         record = close_epoch(trainer, train_sums, val_loader, EpochTiming(epoch, lr, start))
