@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,15 @@ def launch(launcher, np, script, *args, timeout=300, check=True, env=None):
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
                     f"\n--- stderr ---\n{proc.stderr[-4000:]}")
     return proc
+
+
+def wait_for(condition, what, seconds=300):
+    """Poll condition() until it is true. `seconds` caps a wait for something that never happens; it is not a guess
+    at how long it takes. `what` names it in the failure (a callable: built then, e.g. from the last attempt)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
+        time.sleep(0.1)
 
 
 def read_json(path):

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from conftest import ROOT, read_json
+from conftest import ROOT, read_json, wait_for
 
 pytestmark = [pytest.mark.images, pytest.mark.timeout(3600)]
 
@@ -140,12 +140,13 @@ def containers(cpu_image, tmp_path):
                "--cpus", "1", "--user", "root", "-v", f"{keys}:/home/hvd/.ssh:ro", "-v", f"{shared}:/shared",
                cpu_image, "/opt/hvd-train/docker/start-sshd.sh")
         started.append(names[host])
-        for _ in range(100):  # until its sshd answers as the training user
-            probe = docker("exec", "-u", "1000", names[host], "ssh", host, "true", check=False, timeout=60)
-            if probe.returncode == 0:
-                return
-            time.sleep(0.3)
-        pytest.fail(f"sshd in container {host} did not answer: {probe.stderr}")
+        probes = []
+
+        def sshd_answers():  # as the training user
+            probes.append(docker("exec", "-u", "1000", names[host], "ssh", host, "true", check=False, timeout=60))
+            return probes[-1].returncode == 0
+
+        wait_for(sshd_answers, lambda: f"sshd in container {host} to answer: {probes[-1].stderr}", seconds=120)
 
     try:
         yield names, shared, start
@@ -250,13 +251,6 @@ def training_pids(container):
     wrappers = ("sh ", "/bin/sh", "bash", "ssh")
     return [int(pid) for pid, args in rows
             if "train_hvd.py" in args and "horovodrun" not in args and not args.startswith(wrappers)]
-
-
-def wait_for(condition, what, seconds=300):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_an_elastic_job_grows_when_a_container_is_started_and_added_to_the_host_list(containers):

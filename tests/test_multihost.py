@@ -5,12 +5,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
-from conftest import BIN, ROOT, job_env, read_json
+from conftest import BIN, ROOT, job_env, read_json, wait_for
 
 pytestmark = pytest.mark.distributed
 SSH_PORT = "2222"
@@ -63,14 +62,14 @@ def two_hosts(tmp_path):
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         ssh_options = ["-p", SSH_PORT, "-i", str(keys / "id"), "-o", "StrictHostKeyChecking=no",
                        "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
-        deadline = time.monotonic() + 120  # a cap for a daemon that never starts, not a guess at start-up time
-        while True:  # until sshd in host B answers from host A
-            probe = sh("ip", "netns", "exec", namespaces[0], "ssh", *ssh_options, ADDRESSES[1], "true", check=False)
-            if probe.returncode == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        if probe.returncode != 0:
-            pytest.fail(f"sshd in {namespaces[1]} did not answer: {probe.stderr}")
+        probes = []
+
+        def sshd_answers():  # in host B, from host A
+            probes.append(sh("ip", "netns", "exec", namespaces[0], "ssh", *ssh_options, ADDRESSES[1], "true",
+                             check=False))
+            return probes[-1].returncode == 0
+
+        wait_for(sshd_answers, lambda: f"sshd in {namespaces[1]} to answer: {probes[-1].stderr}", seconds=120)
         yield namespaces[0], ssh_options, keys
     finally:
         for daemon in daemons:
