@@ -130,6 +130,17 @@ def patches(cxx_standard):
          'print(get_python_inc())"',
          'execute_process(COMMAND ${PY_EXE} -c "import sysconfig; print(sysconfig.get_paths()[\'include\'])"',
          "distutils is gone from Python 3.12; sysconfig gives the same include directory"),
+        ("horovod/common/gloo/gloo_context.cc",
+         "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
+         "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;",
+         "  // hvd-train: a process set's context is a fresh object whose interface was never set; Gloo then\n"
+         "  // binds to whatever this machine's hostname resolves to (127.0.1.1 on a default Debian host), and\n"
+         "  // peers on other hosts are refused. Take the interface the job was started with.\n"
+         "  gloo_iface_ = global_context.gloo_iface_;\n"
+         "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
+         "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;",
+         "the global process set's Gloo context ignored HOROVOD_GLOO_IFACE and bound to the address the "
+         "hostname resolves to, so hosts whose names resolve to loopback aborted in hvd.init()"),
     ]
 
 
