@@ -23,6 +23,7 @@ import hvd_utils
 from data import BadSampleError, DataError
 from hvd_train.build import build_data, build_trainer, check_choices
 from hvd_train.config import parse_config
+from hvd_train import watchdog
 from hvd_train.engine import Hooks, fit
 from hvd_train.errors import CheckpointError, ConfigError, NonFiniteLossError
 from hvd_train.modes import benchmark, elastic, evaluate
@@ -42,8 +43,12 @@ def main(argv=None):
     cfg = parse_config(argv)
     check_choices(cfg)
     # Horovod: start, pin this rank to the GPU of its local rank (the CPU without one), set its CPU threads.
+    # Training on a fixed set of ranks has a watchdog (hvd_train/watchdog.py) that names a frozen rank; Gloo's own
+    # 30 s timeout must not end the job first, blaming the ranks that waited.
+    watched = not (cfg.horovod.elastic or cfg.benchmark.enabled or cfg.run.evaluate) and cfg.run.freeze_timeout_s
     rt = hvd_utils.init(cpu=cfg.run.device == "cpu", fusion_threshold_mb=cfg.horovod.fusion_threshold_mb,
-                        cycle_time_ms=cfg.horovod.cycle_time_ms, tune=not cfg.horovod.elastic)
+                        cycle_time_ms=cfg.horovod.cycle_time_ms, tune=not cfg.horovod.elastic,
+                        gloo_timeout_s=cfg.run.freeze_timeout_s + 60 if watched else 0)
     setup_logging(rt.is_main)
     torch.manual_seed(cfg.run.seed + rt.rank)  # different dropout per rank; the weights come from rank 0
     if cfg.benchmark.enabled:
@@ -76,10 +81,14 @@ def train(cfg, rt):
     log_setup(cfg, rt, info, trainer, state.epoch)
     if rt.is_main:
         write_json(outputs.run_dir.config, cfg.to_dict())
+    # A rank that stops making progress ends the job with its name instead of hanging it (every rank starts it).
+    watchdog.start(rt, cfg.run.freeze_timeout_s, f"Checkpoints in {outputs.run_dir.checkpoints} are written whole or "
+                   "not at all: --resume auto continues from the newest.")
     try:
         fit(trainer, train_loader, val_loader, Hooks(train_sampler, AfterEpoch(cfg, trainer, state, outputs), state),
             first_epoch=state.epoch + 1)
     finally:
+        watchdog.stop()
         outputs.reporter.close()
     return finish(cfg, rt, trainer, state, outputs.reporter)
 

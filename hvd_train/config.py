@@ -164,12 +164,17 @@ class RunConfig:
     device: str = opt("auto", "auto (the GPU local_rank when CUDA sees one, else the CPU), cuda or cpu")
     name: str = opt("", "name of this configuration in the summary (default: the recipe's file name)")
     stop_at: float = opt(0.0, "stop once an epoch reaches this (98: val top-1 98%; VAE: val loss <= it); 0: off")
+    freeze_timeout_s: float = opt(300.0, "end the job, naming the rank that holds it up, when this rank has waited "
+                                  "this many seconds without progress (0: never; fixed-size jobs)")
 
     def __post_init__(self):
         _require(bool(self.output_dir), "run.output_dir (--output-dir)", self.output_dir, "must name a directory")
         _require(self.stop_at >= 0, "run.stop_at (--stop-at)", self.stop_at,
                  "must be a target value of the best metric (e.g. 98 for 98% val top-1), or 0 for none")
         _choice("run.device (--device)", self.device, DEVICES)
+        _require(self.freeze_timeout_s == 0 or 10 <= self.freeze_timeout_s < float("inf"),
+                 "run.freeze_timeout_s (--freeze-timeout)", self.freeze_timeout_s,
+                 "must be a number of seconds of at least 10 (a step may take seconds), or 0 to never end a job")
 
 
 @dataclass
@@ -257,6 +262,7 @@ ALIASES = {
     "elastic": "horovod.elastic",
     "resume": "checkpoint.resume",
     "stop-at": "run.stop_at",
+    "freeze-timeout": "run.freeze_timeout_s",
     "benchmark": "benchmark.enabled",
     "num-warmup-batches": "benchmark.num_warmup_batches",
     "num-iters": "benchmark.num_iters",

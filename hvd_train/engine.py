@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 import hvd_utils
+from hvd_train import watchdog
 from hvd_train.errors import NonFiniteLossError
 from hvd_train.metrics import averages
 
@@ -116,6 +117,7 @@ def train_step(trainer, images, labels):
             torch.nn.utils.clip_grad_norm_(t.model.parameters(), opts.clip_grad)
 
     step = (lambda: t.scaler.step(t.optimizer)) if t.scaler is not None else t.optimizer.step
+    watchdog.tick()  # backward done: what is left waits on the other ranks' gradients
     hvd_utils.apply_gradients(t.optimizer, step, before_step)
     if t.scaler is not None:
         t.scaler.update()
@@ -148,6 +150,7 @@ def train_one_epoch(trainer, loader, epoch, hooks):
                dynamic_ncols=True, leave=False, delay=quiet, mininterval=max(0.1, quiet))
     start = time.perf_counter()
     for step, (images, labels) in enumerate(loader, 1):
+        watchdog.tick()  # a batch in hand
         t.schedule.apply(t.optimizer, hooks.position(epoch, step - 1, len(loader)))
         images, labels = images.to(t.device, non_blocking=True), labels.to(t.device, non_blocking=True)
         _add(total, train_step(t, images, labels), t.device)
@@ -174,6 +177,7 @@ def evaluate(model, task, loader, device, amp="off"):
     model.eval()
     total = {}
     for images, labels in loader:
+        watchdog.busy()  # validation shards differ in size, so these batches are not counted progress points
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with autocast(device, amp):
             loss, outputs = task.losses(model, images, labels)
@@ -183,7 +187,9 @@ def evaluate(model, task, loader, device, amp="off"):
 
 def evaluate_all(model, task, loader, device, amp="off"):
     """Evaluate across all ranks: exact global metrics (one allreduce; a rank with no samples adds zeros)."""
-    return averages(reduce_sums(task, evaluate(model, task, loader, device, amp), name="val_sums"))
+    local = evaluate(model, task, loader, device, amp)
+    watchdog.tick()  # validation done
+    return averages(reduce_sums(task, local, name="val_sums"))
 
 
 def reduce_sums(task, local, name):

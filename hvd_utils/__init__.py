@@ -3,8 +3,8 @@
 Each function also works in a single process (hvd.size() == 1), so a plain `python train_hvd.py` trains.
 """
 from hvd_utils.comm import allreduce_average
-from hvd_utils.metrics import (allreduce_sums, fingerprints_by_rank, gather_floats, params_fingerprint,
-                               sum_across_ranks)
+from hvd_utils.metrics import (allreduce_sums, fingerprints_by_rank, gather_floats, gather_objects,
+                               params_fingerprint, sum_across_ranks)
 from hvd_utils.optim import (apply_gradients, average_buffers, broadcast_state, distributed_optimizer, lr_scale,
                              sync_batch_norm)
 from hvd_utils.resume import decide_on_root, gather_rng_states, load_checkpoint, restore_rng
@@ -13,4 +13,5 @@ from hvd_utils.runtime import PeerFailure, Runtime, init, launcher_rank, run_on_
 __all__ = ["PeerFailure", "Runtime", "init", "launcher_rank", "run_on_local_root", "shutdown", "world_size",
            "lr_scale", "distributed_optimizer", "apply_gradients", "average_buffers", "broadcast_state",
            "sync_batch_norm", "decide_on_root", "load_checkpoint", "restore_rng", "gather_rng_states", "allreduce_sums",
-           "sum_across_ranks", "gather_floats", "allreduce_average", "params_fingerprint", "fingerprints_by_rank"]
+           "sum_across_ranks", "gather_floats", "gather_objects",
+           "allreduce_average", "params_fingerprint", "fingerprints_by_rank"]

@@ -54,3 +54,10 @@ def gather_floats(values, name):
         return [[float(v) for v in values]]
     mine = torch.tensor([list(values)], dtype=torch.float64)
     return hvd.allgather(mine, name=name).tolist()
+
+
+def gather_objects(obj, name):
+    """Every rank's picklable `obj`, gathered on all ranks, in rank order."""
+    if hvd.size() == 1:
+        return [obj]
+    return hvd.allgather_object(obj, name=name)

@@ -79,12 +79,13 @@ def tuning_in_effect():
             "cycle_time_ms": float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0))}
 
 
-def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, tune=True):
+def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, tune=True, gloo_timeout_s=0.0):
     """hvd.init(), then pin this rank to GPU local_rank, or share the CPU cores between the ranks of this host.
 
     fusion_threshold_mb and cycle_time_ms tune Horovod (see tuning_env). tune=False leaves Horovod's own settings:
     elastic runs need that (with the tuning variables set in the workers, a survivor of a killed peer crashed in
-    Gloo instead of resetting, every time, in tests/test_elastic.py)."""
+    Gloo instead of resetting, every time, in tests/test_elastic.py). gloo_timeout_s > 0 sets how long a Gloo
+    collective waits for a peer (Horovod's default: 30 s), unless HOROVOD_GLOO_TIMEOUT_SECONDS is set."""
     use_gpu = torch.cuda.is_available() and not cpu
     kind = launch_kind()
     cycle_chosen = bool(cycle_time_ms) or "HOROVOD_CYCLE_TIME" in os.environ
@@ -92,6 +93,8 @@ def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, tune=True):
         tuning = tuning_env("cuda" if use_gpu else "cpu", fusion_threshold_mb, cycle_time_ms, kind)
     else:
         tuning = tuning_in_effect()
+    if gloo_timeout_s > 0:
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(math.ceil(gloo_timeout_s)))
     hvd.init()  # Horovod: start the controller (MPI under mpirun or horovodrun --mpi, Gloo under --gloo).
     if use_gpu:
         # Horovod: one GPU per process, chosen by the rank on this host.

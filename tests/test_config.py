@@ -31,6 +31,8 @@ def test_every_alias_names_a_real_field():
     (["--data.val_fraction", "1.5"], "data.val_fraction"),
     (["--workers", "-1"], "data.workers"),
     (["--output-dir", ""], "run.output_dir"),
+    (["--freeze-timeout", "5"], "run.freeze_timeout_s"),
+    (["--freeze-timeout", "inf"], "run.freeze_timeout_s"),
 ])
 def test_invalid_values_name_the_field(argv, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

@@ -2,6 +2,7 @@
 directories, and bad input, each with one clear message and a non-zero exit, never a hang."""
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -46,6 +47,50 @@ def test_a_killed_rank_ends_the_job_with_the_rank_named(tmp_path, launcher, name
     proc, seconds = faulty(launcher, tmp_path, "kill")
     assert proc.returncode != 0 and seconds < BOUND
     assert names_the_rank in proc.stdout + proc.stderr
+
+
+FREEZE = 20  # --freeze-timeout of the frozen-rank tests: generous for a step of the small CNN on a busy machine
+
+
+def frozen(launcher, tmp_path, mode):
+    """Rank 1 freezes (`mode` stop: SIGSTOP; hang: blocked in its step) at its 28th step, in epoch 2 (23 steps an
+    epoch), after epoch 1's checkpoint. Returns the job's output and the seconds from the freeze to the job's end."""
+    fault_time = tmp_path / "fault_time"
+    proc = launch(launcher, 2, WORKERS / "faulty_train.py", "1", "28", mode, "--", "--output-dir", tmp_path, *QUIET,
+                  "--epochs", "3", "--freeze-timeout", FREEZE, check=False,
+                  env={"HVD_TEST_FAULT_TIME": str(fault_time)})
+    assert fault_time.exists(), f"the fault was never injected:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    return proc, time.time() - float(fault_time.read_text())
+
+
+def assert_checkpoint_of_epoch_1_intact(run):
+    assert checkpoint.load(str(run / "checkpoints" / "last.pt"))["epoch"] == 1
+    assert not (run / "summary.json").exists()
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun-mpi", "horovodrun-gloo"])
+def test_a_stopped_rank_ends_the_job_after_the_freeze_timeout_naming_it(tmp_path, launcher):
+    # Before the watchdog: under MPI the job waited silently for ever; under Gloo it ended after 30 s blaming rank 0.
+    proc, seconds = frozen(launcher, tmp_path, "stop")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert seconds >= FREEZE  # it waited for the limit first
+    # The host as the launcher named it (horovodrun --gloo: from -H), else as it names itself.
+    host = "localhost" if launcher == "horovodrun-gloo" else socket.gethostname()
+    assert output.count(f"train_hvd.py: error: rank 1 (host {host}) stopped making progress") == 1, output[-3000:]
+    assert "--resume auto continues from the newest" in output
+    assert "Timed out waiting" not in output  # Gloo's own timeout did not fire first and blame the healthy rank
+    assert_checkpoint_of_epoch_1_intact(tmp_path)
+
+
+def test_a_rank_stuck_in_its_step_is_named_with_where_it_is_stuck(tmp_path):
+    proc, seconds = frozen("horovodrun-gloo", tmp_path, "hang")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and seconds >= FREEZE, output[-3000:]
+    assert "rank 1 (host localhost) made no progress for" in output
+    assert "it is alive but stuck in its own work" in output
+    assert "in faulty_step" in output  # the stuck rank's own stack, printed by its watchdog
+    assert_checkpoint_of_epoch_1_intact(tmp_path)
 
 
 def test_killing_the_checkpoint_writer_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):

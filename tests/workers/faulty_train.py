@@ -1,9 +1,10 @@
 """train_hvd.py with a fault injected into one rank's training step, as a crash in user code or a dying host.
 
-    faulty_train.py RANK STEP {raise,kill} -- TRAIN_HVD_ARGS...
+    faulty_train.py RANK STEP {raise,kill,stop,hang} -- TRAIN_HVD_ARGS...
 
-On global rank RANK, at training step STEP, the step either raises RuntimeError or the process SIGKILLs itself.
-Everything else is the real application.
+On global rank RANK, at training step STEP, the step raises RuntimeError, or the process SIGKILLs itself, or it
+SIGSTOPs itself (frozen: no thread runs), or the step blocks for an hour (alive but stuck, as in a data read that
+never returns). Everything else is the real application.
 """
 import os
 import signal
@@ -26,8 +27,10 @@ def main():
             # When the fault happens, for the test to time how long the job takes to end after it.
             with open(os.environ["HVD_TEST_FAULT_TIME"], "w") as f:
                 f.write(repr(time.time()))
-            if mode == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
+            if mode in ("kill", "stop"):
+                os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+            if mode in ("stop", "hang"):
+                time.sleep(3600)  # (a stopped rank that the launcher resumes to end it stays where it froze)
             raise RuntimeError(f"injected failure on rank {rank} at step {step}")
         return real_step(*args, **kwargs)
 
