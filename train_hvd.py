@@ -23,7 +23,7 @@ import hvd_utils
 from data import BadSampleError, DataError
 from hvd_train.build import build_data, build_trainer, check_choices
 from hvd_train.config import parse_config
-from hvd_train import watchdog
+from hvd_train import doctor, watchdog
 from hvd_train.engine import Hooks, fit
 from hvd_train.errors import CheckpointError, ConfigError, NonFiniteLossError
 from hvd_train.modes import benchmark, elastic, evaluate
@@ -94,6 +94,8 @@ def train(cfg, rt):
 
 
 def cli():
+    if sys.argv[1:2] == ["doctor"]:  # hvd-train doctor -H ...: check the hosts of a job before it runs
+        sys.exit(doctor.main(sys.argv[2:]))
     code = 1
     try:
         code = main()

@@ -141,6 +141,15 @@ def patches(cxx_standard):
          "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;",
          "the global process set's Gloo context ignored HOROVOD_GLOO_IFACE and bound to the address the "
          "hostname resolves to, so hosts whose names resolve to loopback aborted in hvd.init()"),
+        ("horovod/runner/driver/driver_service.py",
+         "    else:\n        nics = get_local_interfaces(settings)\n    return nics",
+         "    else:\n"
+         "        # hvd-train: an elastic job that starts on the launcher's own host and grows later must not put\n"
+         "        # its rendezvous on loopback; the interface the user named (--network-interface) decides.\n"
+         "        nics = settings.nics or get_local_interfaces(settings)\n"
+         "    return nics",
+         "when every host of a job was the launcher's own, horovodrun used the loopback interface even with "
+         "--network-interface, so hosts that joined an elastic job later could not reach its rendezvous"),
     ]
 
 

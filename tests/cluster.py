@@ -35,7 +35,7 @@ class Host:
 
 
 class Cluster:
-    def __init__(self, tmp_path, count, names):
+    def __init__(self, tmp_path, count, names, ssh_env=None):
         if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
             pytest.skip("needs root, iproute2 and unshare to make network namespaces")
         self.sshd = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -50,6 +50,7 @@ class Cluster:
         self.ssh_options = ["-p", SSH_PORT, "-i", str(self.keys / "id"), "-o", "StrictHostKeyChecking=no",
                             "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
         self.names = names
+        self.ssh_env = ssh_env or {}  # {host name: {variable: value}} set in that host's ssh sessions
 
     def __enter__(self):
         self.keys.mkdir()
@@ -106,7 +107,8 @@ class Cluster:
         config.write_text(f"Port {SSH_PORT}\nHostKey {self.keys / 'host'}\nAuthorizedKeysFile "
                           f"{self.keys / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
                           f"PasswordAuthentication no\nStrictModes no\nUsePAM no\nPidFile {self.keys / host.ns}.pid\n"
-                          f"AcceptEnv *\nPermitUserEnvironment yes\n")
+                          f"AcceptEnv *\nPermitUserEnvironment yes\n"
+                          + "".join(f"SetEnv {k}={v}\n" for k, v in self.ssh_env.get(host.name, {}).items()))
         os.makedirs("/run/sshd", exist_ok=True)
         self.daemons[host.name] = subprocess.Popen(self.on(host, [self.sshd, "-D", "-e", "-f", config]),
                                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -135,9 +137,14 @@ class Cluster:
             except (ProcessLookupError, ValueError):
                 pass
 
+    def stop_sshd(self, host):
+        daemon = self.daemons.pop(host.name)
+        daemon.kill()
+        daemon.wait()
+
     def kill_host(self, host):
         """The host dies: every process on it is killed and its link is cut."""
-        self.daemons.pop(host.name).kill()
+        self.stop_sshd(host)
         self.kill_all_in(host.ns)
         sh("ip", "netns", "exec", self.switch, "ip", "link", "set", host.veth, "down")
 

@@ -1,0 +1,302 @@
+"""hvd-train doctor: check every host of a job before the job waits on a broken cluster.
+
+    hvd-train doctor -H host1:4,host2:4 [-p PORT] [-i KEY] [--network-interface IFACE] [--gloo]
+    hvd-train doctor -hostfile hostfiles/example.txt
+
+Over ssh (the options horovodrun takes), a probe runs with this Python on every host and reports versions, Horovod's
+build, interfaces, what the hostname resolves to, GPUs, mpirun, the clock and free disk; then every host opens a
+TCP connection to every other one on the interface. One table, a fix under each problem; exit 1 when a job would
+fail (FAIL), 0 when it would run (WARN: it would, with something to look at).
+"""
+import argparse
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from hostfiles.validate import parse
+
+SSH_TIMEOUT = 60  # seconds for one ssh command: a host that does not answer within it is reported, not waited on
+
+# Runs on every host (stdin of `python -`): one JSON line of facts, nothing that needs Horovod to be initialised.
+PROBE = r"""
+import json, os, platform, shutil, socket, subprocess, sys, time
+from importlib import metadata
+facts = {"python": platform.python_version(), "time": time.time(), "hostname": socket.gethostname()}
+for dist in ("torch", "horovod", "hvd-train"):
+    try:
+        facts[dist] = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        facts[dist] = None
+try:
+    facts["resolves_to"] = socket.gethostbyname(socket.gethostname())
+except OSError as e:
+    facts["resolves_to"] = None
+import psutil
+facts["interfaces"] = {name: [a.address for a in addrs if a.family == socket.AF_INET]
+                       for name, addrs in psutil.net_if_addrs().items()}
+try:
+    import horovod.torch as hvd
+    facts["build"] = {"MPI": hvd.mpi_built(), "Gloo": hvd.gloo_built(), "NCCL": hvd.nccl_built() > 0}
+except Exception as e:
+    facts["build"] = {"error": f"{type(e).__name__}: {e}"}
+import torch
+facts["gpus"] = torch.cuda.device_count()
+facts["mpirun"] = shutil.which("mpirun")
+path = os.path.abspath(sys.argv[1])
+while not os.path.exists(path):
+    path = os.path.dirname(path)
+facts["disk_path"], facts["disk_free"] = path, shutil.disk_usage(path).free
+facts["disk_writable"] = os.access(path, os.W_OK)
+print(json.dumps(facts))
+"""
+
+# Listens on one address until stdin closes; prints its port first.
+LISTEN = r"""
+import socket, sys, threading
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(64)
+print(s.getsockname()[1], flush=True)
+threading.Thread(target=lambda: [s.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
+sys.stdin.read()
+"""
+
+# Connects to every (name, address, port) given as JSON; prints which failed and why.
+CONNECT = r"""
+import json, socket, sys
+failed = {}
+for name, address, port in json.loads(sys.argv[1]):
+    try:
+        socket.create_connection((address, port), timeout=10).close()
+    except OSError as e:
+        failed[name] = f"{address}:{port}: {e.strerror or e}"
+print(json.dumps(failed))
+"""
+
+
+class Hosts:
+    """How to reach the hosts: ssh options as horovodrun takes them; the launcher's own names run without ssh."""
+
+    def __init__(self, args):
+        self.args = args
+        self.local_names = {"localhost", "127.0.0.1", socket.gethostname()}
+
+    def command(self, host, code, *argv):
+        python = [self.args.python, "-c", code, *[str(a) for a in argv]]
+        if host in self.local_names:
+            return python
+        ssh = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "ConnectTimeout=10",
+               "-o", "LogLevel=ERROR"]
+        if self.args.ssh_port:
+            ssh += ["-p", str(self.args.ssh_port)]
+        if self.args.ssh_identity_file:
+            ssh += ["-i", self.args.ssh_identity_file]
+        return ssh + [host, shlex.join(python)]
+
+    def run(self, host, code, *argv):
+        return subprocess.run(self.command(host, code, *argv), capture_output=True, text=True, timeout=SSH_TIMEOUT,
+                              stdin=subprocess.DEVNULL)
+
+
+class Report:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, host, check, status, detail, fix=""):
+        self.rows.append((host, check, status, detail, fix))
+
+    def print(self):
+        width = max(len(r[0]) for r in self.rows) + 2
+        print(f"{'host':<{width}}{'check':<16}{'result':<8}detail")
+        for host, check, status, detail, fix in self.rows:
+            print(f"{host:<{width}}{check:<16}{status:<8}{detail}")
+            if fix:
+                print(f"{'':<{width + 24}}fix: {fix}")
+        fails = sum(r[2] == "FAIL" for r in self.rows)
+        warns = sum(r[2] == "WARN" for r in self.rows)
+        verdict = "a job would fail" if fails else "a job would start"
+        print(f"\n{fails} problem(s), {warns} warning(s): {verdict}.")
+        return 1 if fails else 0
+
+
+def probe_all(hosts, names):
+    def probe(name):
+        sent = time.time()
+        try:
+            proc = hosts.run(name, PROBE, hosts.args.output_dir)
+        except subprocess.TimeoutExpired:
+            return name, None, f"no answer within {SSH_TIMEOUT} s"
+        if proc.returncode != 0:
+            return name, None, (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        facts = json.loads(proc.stdout.strip().splitlines()[-1])
+        # The host read its clock between sending and answering: outside that window, the clocks disagree.
+        facts["skew"] = min(0.0, facts["time"] - sent) + max(0.0, facts["time"] - time.time())
+        return name, facts, ""
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return list(pool.map(probe, names))
+
+
+def check_host(report, name, slots, facts, reference, args):
+    versions = {k: facts[k] for k in ("python", "torch", "horovod", "hvd-train")}
+    differ = [f"{k} {versions[k]} (here {reference[k]})" for k in versions if versions[k] != reference[k]]
+    report.add(name, "versions", "FAIL" if differ else "ok",
+               "; ".join(differ) if differ else ", ".join(f"{k} {v}" for k, v in versions.items()),
+               "install the same versions on every host (scripts/install.sh from the same checkout, or one image)"
+               if differ else "")
+    build = facts["build"]
+    if "error" in build:
+        report.add(name, "horovod build", "FAIL", build["error"], "run scripts/install.sh on this host")
+    else:
+        has = ", ".join(k for k, v in build.items() if v) or "nothing"
+        missing = "MPI" if not (args.gloo or build["MPI"]) else ("Gloo" if args.gloo and not build["Gloo"] else "")
+        report.add(name, "horovod build", "FAIL" if missing else "ok", has + (f"; no {missing}" if missing else ""),
+                   f"rebuild Horovod with {missing} (scripts/install.sh), or launch with "
+                   f"{'--mpi' if missing == 'Gloo' else '--gloo'}" if missing else "")
+        if facts["gpus"] and not build["NCCL"]:
+            report.add(name, "nccl", "WARN", f"{facts['gpus']} GPU(s) but Horovod has no NCCL: gradients go "
+                       "through host memory", "scripts/install.sh --gpu")
+    if args.network_interface:
+        addresses = facts["interfaces"].get(args.network_interface)
+        report.add(name, "interface", "ok" if addresses else "FAIL",
+                   f"{args.network_interface} {', '.join(addresses)}" if addresses else
+                   f"no interface {args.network_interface} with an IPv4 address (it has "
+                   f"{', '.join(sorted(facts['interfaces']))})",
+                   "" if addresses else "name an interface every host has (--network-interface), e.g. the one "
+                   "of the address the host names resolve to")
+    resolved = facts["resolves_to"] or ""
+    # Only matters between hosts: a job on one host talks over loopback anyway.
+    loopback = resolved.startswith("127.") and args.multi_host
+    report.add(name, "hostname", "WARN" if loopback or not resolved else "ok",
+               f"{facts['hostname']} resolves to {resolved or 'nothing'}"
+               + (" (loopback)" if resolved.startswith("127.") else ""),
+               f"map {facts['hostname']} to this host's network address in /etc/hosts; until then pass "
+               f"--network-interface to horovodrun (hvd-train's Horovod build then ignores the hostname; a stock "
+               f"Horovod's Gloo aborts with 'connect [127.0.0.1]')" if loopback or not resolved else "")
+    gpus = facts["gpus"]
+    if gpus:
+        status = "FAIL" if slots > gpus else ("WARN" if slots < gpus else "ok")
+        report.add(name, "slots", status, f"{slots} slot(s), {gpus} GPU(s)",
+                   {"FAIL": f"{name}:{gpus}: one rank per GPU (ranks would share a GPU)",
+                    "WARN": f"{name}:{gpus} uses every GPU"}.get(status, ""))
+    else:
+        report.add(name, "slots", "ok", f"{slots} slot(s), no GPU (CPU ranks share the cores)")
+    if not args.gloo:
+        report.add(name, "mpirun", "ok" if facts["mpirun"] else "FAIL", facts["mpirun"] or "not on PATH",
+                   "" if facts["mpirun"] else "install OpenMPI on every host (scripts/install.sh), or launch with "
+                   "horovodrun --gloo")
+    skew = facts["skew"]
+    report.add(name, "clock", "WARN" if abs(skew) > 2 else "ok", f"{skew:+.1f} s against this host",
+               "run NTP/chrony on every host: logs and timelines are compared across hosts" if abs(skew) > 2 else "")
+    free = facts["disk_free"] / 2**30
+    bad = not facts["disk_writable"] or free < 1
+    report.add(name, "disk", "FAIL" if bad else "ok",
+               f"{free:.1f} GiB free in {facts['disk_path']}" + ("" if facts["disk_writable"] else ", not writable"),
+               "free space, or give --output-dir a writable directory with room for checkpoints" if bad else "")
+
+
+def check_links(report, hosts, reachable, args):
+    """Every host connects to every other one over TCP, on the interface (or the address its name resolves to)."""
+    def address(name, facts):
+        if args.network_interface:
+            return (facts["interfaces"].get(args.network_interface) or [None])[0]
+        try:
+            return socket.gethostbyname(name)
+        except OSError:
+            return None
+
+    targets = {name: address(name, facts) for name, facts in reachable.items()}
+    listeners, ports = {}, {}
+    try:
+        for name, addr in targets.items():
+            if addr is None:
+                continue
+            listeners[name] = subprocess.Popen(hosts.command(name, LISTEN, addr), stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, proc in listeners.items():
+            line = proc.stdout.readline().strip()
+            if line.isdigit():
+                ports[name] = int(line)
+        for name in reachable:
+            peers = [(other, targets[other], ports[other]) for other in ports if other != name]
+            if not peers:
+                continue
+            proc = hosts.run(name, CONNECT, json.dumps(peers))
+            failed = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
+                {p[0]: proc.stderr.strip() for p in peers}
+            detail = ("cannot reach " + "; ".join(f"{k} ({v})" for k, v in failed.items())) if failed else \
+                f"reaches {', '.join(p[0] for p in peers)}"
+            report.add(name, "tcp", "FAIL" if failed else "ok", detail,
+                       "open TCP between the hosts on every port (Horovod, Gloo, MPI and NCCL pick random ports), "
+                       "or name an interface on a network that allows it" if failed else "")
+    finally:
+        for proc in listeners.values():
+            proc.kill()
+            proc.wait()
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="hvd-train doctor", description=__doc__.split("\n\n")[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("-H", "--hosts", help="host:slots,... as horovodrun -H takes them")
+    where.add_argument("-hostfile", "--hostfile", help="a hostfile (HOST slots=N lines), as horovodrun takes it")
+    parser.add_argument("-p", "--ssh-port", type=int, help="ssh port on every host")
+    parser.add_argument("-i", "--ssh-identity-file", help="ssh key")
+    parser.add_argument("--network-interface", help="the interface the job will use (horovodrun's option)")
+    parser.add_argument("--gloo", action="store_true", help="the job uses Gloo (no mpirun needed)")
+    parser.add_argument("--output-dir", default="runs/latest", help="where the job will write (free disk)")
+    parser.add_argument("--python", default=sys.executable, help="Python on every host (default: this one)")
+    return parser.parse_args(argv)
+
+
+def read_hosts(args):
+    if args.hosts:
+        lines, source = args.hosts.split(","), "-H"
+    else:
+        try:
+            with open(args.hostfile) as f:
+                lines, source = f.read().splitlines(), args.hostfile
+        except OSError as e:
+            sys.exit(f"hvd-train doctor: cannot read the hostfile {args.hostfile}: {e.strerror}")
+    hosts, errors = parse(lines, live=bool(args.hosts))
+    if errors:
+        number, message = errors[0]
+        sys.exit(f"hvd-train doctor: {source}{'' if args.hosts else f':{number}'}: {message}")
+    if not hosts:
+        sys.exit(f"hvd-train doctor: {source} names no hosts")
+    return hosts
+
+
+def main(argv):
+    args = parse_args(argv)
+    # horovodrun starts the ranks in the launcher's directory on every host: a relative path means the same there.
+    args.output_dir = os.path.abspath(args.output_dir)
+    slots = dict(read_hosts(args))
+    args.multi_host = len(slots) > 1
+    hosts, report = Hosts(args), Report()
+    local = json.loads(subprocess.run([args.python, "-c", PROBE, args.output_dir], capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1])
+    reachable = {}
+    for name, facts, error in probe_all(hosts, list(slots)):
+        if facts is None:
+            report.add(name, "ssh", "FAIL", error,
+                       f"check that sshd runs on {name}"
+                       + (f" on port {args.ssh_port}" if args.ssh_port else "")
+                       + " and accepts this key without a password (horovodrun and mpirun log in the same way)")
+            continue
+        report.add(name, "ssh", "ok", "answers" if name not in hosts.local_names else "this host")
+        reachable[name] = facts
+        check_host(report, name, slots[name], facts, local, args)
+    if len(reachable) > 1:
+        check_links(report, hosts, reachable, args)
+    print(f"hvd-train doctor: {len(slots)} host(s), {sum(slots.values())} slot(s)"
+          + (f", interface {args.network_interface}" if args.network_interface else "")
+          + f", controller {'Gloo' if args.gloo else 'MPI'}\n")
+    return report.print()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

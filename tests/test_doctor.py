@@ -1,0 +1,63 @@
+"""hvd-train doctor on namespace hosts (tests/cluster.py): a healthy cluster passes; each injected fault (sshd down,
+a wrong interface name, loopback-resolving hostnames, another package version on one host) is named with its fix."""
+import re
+
+import pytest
+
+from cluster import IFACE, SSH_PORT, Cluster
+from conftest import BIN
+
+pytestmark = pytest.mark.distributed
+
+
+def doctor(cluster, *args):
+    hosts = ",".join(f"{h.name}:1" for h in cluster.hosts)
+    return cluster.run(cluster.hosts[0], [BIN / "hvd-train", "doctor", "-H", hosts, "-p", SSH_PORT,
+                                          "-i", cluster.keys / "id", *args], timeout=600)
+
+
+def rows(output, host, check):
+    """(result, row, fix) of the report's rows for one host and check; the fix is the line under a problem."""
+    lines, found = output.splitlines(), []
+    for i, line in enumerate(lines):
+        m = re.match(rf"{re.escape(host)}\s+{re.escape(check)}\s+(ok|WARN|FAIL)\s", line)
+        if m:
+            after = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            found.append((m.group(1), line, after if after.startswith("fix:") else ""))
+    return found
+
+
+def test_a_healthy_cluster_passes(tmp_path):
+    with Cluster(tmp_path, 2, names="own") as cluster:
+        proc = doctor(cluster, "--network-interface", IFACE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for host in ("node-a", "node-b"):
+        for check in ("ssh", "versions", "horovod build", "interface", "hostname", "slots", "mpirun", "clock",
+                      "disk", "tcp"):
+            [(status, _, _)] = rows(proc.stdout, host, check)
+            assert status == "ok", proc.stdout
+    assert "reaches node-b" in rows(proc.stdout, "node-a", "tcp")[0][1]
+    assert "0 problem(s)" in proc.stdout
+
+
+def test_each_injected_fault_is_named_with_its_fix(tmp_path):
+    # node-b: sshd down. node-c: another hvd-train version in its ssh sessions. Every hostname: loopback.
+    fake = tmp_path / "other-version"
+    (fake / "hvd_train-0.0.9.dist-info").mkdir(parents=True)
+    (fake / "hvd_train-0.0.9.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: hvd-train\n"
+                                                                 "Version: 0.0.9\n")
+    with Cluster(tmp_path, 3, names="loopback", ssh_env={"node-c": {"PYTHONPATH": fake}}) as cluster:
+        cluster.stop_sshd(cluster.hosts[1])
+        proc = doctor(cluster, "--network-interface", "eth7")
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    [(status, _, fix)] = rows(out, "node-b", "ssh")
+    assert status == "FAIL" and f"check that sshd runs on node-b on port {SSH_PORT}" in fix
+    [(status, line, fix)] = rows(out, "node-c", "versions")
+    assert status == "FAIL" and "hvd-train 0.0.9 (here 0.1.0)" in line and "same versions" in fix
+    for host in ("node-a", "node-c"):
+        [(status, line, fix)] = rows(out, host, "interface")
+        assert status == "FAIL" and "no interface eth7" in line and IFACE in line
+        [(status, line, fix)] = rows(out, host, "hostname")
+        assert status == "WARN" and f"{host} resolves to 127.0.1.1 (loopback)" in line and "/etc/hosts" in fix
+    assert "a job would fail" in out

@@ -1,0 +1,130 @@
+"""Elastic training across hosts (tests/cluster.py: network namespaces with their own hostnames and sshd): a host
+that dies mid-epoch, a host that joins a running job, and the loss of the host that holds rank 0. Each job ends
+with exit 0, redoes at most one commit interval and reaches the accuracy bar."""
+import sys
+import time
+
+import pytest
+
+from cluster import IFACE, Cluster
+from conftest import BIN, ROOT, WORKERS, read_json
+
+pytestmark = pytest.mark.distributed
+COMMIT_EVERY = 5
+EPOCHS = 8
+
+
+def elastic_job(cluster, hosts_file, out, np, script=ROOT / "train_hvd.py", script_args=(), extra=()):
+    """horovodrun in elastic mode on the first host, the hosts read from `hosts_file` (an operator's list)."""
+    cmd = [BIN / "horovodrun", "-np", np, "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+           ROOT / "hostfiles" / "discover_hosts.py", "--network-interface", IFACE, *cluster.horovodrun_ssh(),
+           sys.executable, script, *script_args, "--elastic", "--output-dir", out, "--epochs", EPOCHS,
+           "--horovod.commit_every", COMMIT_EVERY, "--logging.progress=false", "--logging.tensorboard=false",
+           "--logging.plot=false", *extra]
+    return cluster.popen(cluster.hosts[0], cmd, env={"HVD_HOSTS_FILE": str(hosts_file), "OMP_NUM_THREADS": "1"},
+                         stdout=__import__("subprocess").PIPE, stderr=__import__("subprocess").STDOUT, text=True)
+
+
+def follow(job, on_line):
+    """Read the job's output to its end, calling on_line(line) for each; returns the whole output."""
+    lines, deadline = [], time.monotonic() + 600
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            on_line(line)
+            assert time.monotonic() < deadline, "the elastic job did not finish:\n" + "".join(lines[-50:])
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    return "".join(lines)
+
+
+def check_finished(job, output, out, world_size):
+    assert job.returncode == 0, output[-4000:]
+    summary = read_json(out / "summary.json")
+    assert summary["world_size"] == world_size and summary["params_in_sync"]
+    assert [h["epoch"] for h in summary["history"]] == list(range(1, EPOCHS + 1))
+    assert all(h["val_count"] == 359 for h in summary["history"])
+    assert 0 <= summary["elastic"]["steps_redone"] <= COMMIT_EVERY
+    assert summary["final_val_acc1"] > 90.0
+    return summary
+
+
+@pytest.fixture
+def three_hosts(tmp_path):
+    with Cluster(tmp_path, 3, names="own") as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def two_loopback_hosts(tmp_path):
+    with Cluster(tmp_path, 2, names="loopback") as cluster:
+        yield cluster
+
+
+def kill_after_epoch_1(cluster, victim, killed):
+    def on_line(line):
+        if not killed and f"epoch 1/{EPOCHS}" in line:  # epoch 1 is over: the kill lands early in epoch 2
+            cluster.kill_host(victim)
+            killed.append(victim.name)
+    return on_line
+
+
+def test_a_host_that_dies_mid_epoch_leaves_the_other_to_finish(two_loopback_hosts, tmp_path):
+    # Loopback-resolving hostnames too: elastic jobs always run over Gloo, which aborted on them before the patch.
+    cluster, out = two_loopback_hosts, tmp_path / "run"
+    a, b = cluster.hosts
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(f"{a.name}:1\n{b.name}:1\n")
+    killed = []
+    job = elastic_job(cluster, hosts, out, np=2)
+    output = follow(job, kill_after_epoch_1(cluster, b, killed))
+    assert killed, output[-3000:]
+    assert "workers changed: now 1" in output
+    summary = check_finished(job, output, out, world_size=1)
+    assert summary["elastic"]["resets"] >= 1
+
+
+def test_the_loss_of_the_host_of_rank_0_leaves_a_new_rank_0_writing(three_hosts, tmp_path):
+    # The launcher's host runs no worker (a login node); rank 0 is on node-b, which dies.
+    cluster, out = three_hosts, tmp_path / "run"
+    _, b, c = cluster.hosts
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(f"{b.name}:1\n{c.name}:1\n")
+    killed = []
+    job = elastic_job(cluster, hosts, out, np=2)
+    output = follow(job, kill_after_epoch_1(cluster, b, killed))
+    assert killed, output[-3000:]
+    summary = check_finished(job, output, out, world_size=1)
+    assert summary["hosts"] == [c.name] if "hosts" in summary else True
+    # The new rank 0 wrote every epoch's checkpoint after the loss, and the summary.
+    from hvd_train import checkpoint
+    assert checkpoint.load(str(out / "checkpoints" / "last.pt"))["epoch"] == EPOCHS
+    metrics = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(metrics) >= EPOCHS
+
+
+def test_a_host_that_joins_grows_the_job_and_the_rate_and_shards_follow(three_hosts, tmp_path):
+    cluster, out = three_hosts, tmp_path / "run"
+    a, b, _ = cluster.hosts
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(f"{a.name}:1\n")
+    added = []
+
+    def on_line(line):
+        if not added and f"epoch 1/{EPOCHS}" in line:
+            hosts.write_text(f"{a.name}:1\n{b.name}:1\n")  # the operator adds a host
+            added.append(b.name)
+
+    # Alone after its first epoch, the worker takes 0.2 s a step, so the job cannot end before the host joins.
+    job = elastic_job(cluster, hosts, out, np=1, script=WORKERS / "paced_train.py", script_args=("0.2", "45", "--"),
+                      extra=("--lr-schedule", "constant"))
+    output = follow(job, on_line)
+    assert added and "workers changed: now 2" in output, output[-3000:]
+    summary = check_finished(job, output, out, world_size=2)
+    history = summary["history"]
+    # The rate is scaled by the number of workers: 0.025 alone, 0.05 once two train.
+    assert history[0]["lr"] == pytest.approx(0.025) and history[-1]["lr"] == pytest.approx(0.05)
+    # The elastic sampler shards each later epoch between both: every training sample once, none twice.
+    assert history[-1]["train_count"] == 1438
