@@ -47,7 +47,7 @@ def main(argv=None):
     # 30 s timeout must not end the job first, blaming the ranks that waited.
     watched = not (cfg.horovod.elastic or cfg.benchmark.enabled or cfg.run.evaluate) and cfg.run.freeze_timeout_s
     rt = hvd_utils.init(cpu=cfg.run.device == "cpu", fusion_threshold_mb=cfg.horovod.fusion_threshold_mb,
-                        cycle_time_ms=cfg.horovod.cycle_time_ms, tune=not cfg.horovod.elastic,
+                        cycle_time_ms=cfg.horovod.cycle_time_ms,
                         gloo_timeout_s=cfg.run.freeze_timeout_s + 60 if watched else 0)
     setup_logging(rt.is_main)
     torch.manual_seed(cfg.run.seed + rt.rank)  # different dropout per rank; the weights come from rank 0

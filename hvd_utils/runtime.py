@@ -79,20 +79,17 @@ def tuning_in_effect():
             "cycle_time_ms": float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0))}
 
 
-def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, tune=True, gloo_timeout_s=0.0):
+def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, gloo_timeout_s=0.0):
     """hvd.init(), then pin this rank to GPU local_rank, or share the CPU cores between the ranks of this host.
 
-    fusion_threshold_mb and cycle_time_ms tune Horovod (see tuning_env). tune=False leaves Horovod's own settings:
-    elastic runs need that (with the tuning variables set in the workers, a survivor of a killed peer crashed in
-    Gloo instead of resetting, every time, in tests/test_elastic.py). gloo_timeout_s > 0 sets how long a Gloo
-    collective waits for a peer (Horovod's default: 30 s), unless HOROVOD_GLOO_TIMEOUT_SECONDS is set."""
+    fusion_threshold_mb and cycle_time_ms tune Horovod (see tuning_env); elastic runs too, since hvd-train's
+    Horovod build no longer crashes when an elastic reset re-initialises with both set (scripts/build_horovod.py).
+    gloo_timeout_s > 0 sets how long a Gloo collective waits for a peer (Horovod's default: 30 s), unless
+    HOROVOD_GLOO_TIMEOUT_SECONDS is set."""
     use_gpu = torch.cuda.is_available() and not cpu
     kind = launch_kind()
     cycle_chosen = bool(cycle_time_ms) or "HOROVOD_CYCLE_TIME" in os.environ
-    if tune:
-        tuning = tuning_env("cuda" if use_gpu else "cpu", fusion_threshold_mb, cycle_time_ms, kind)
-    else:
-        tuning = tuning_in_effect()
+    tuning = tuning_env("cuda" if use_gpu else "cpu", fusion_threshold_mb, cycle_time_ms, kind)
     if gloo_timeout_s > 0:
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(math.ceil(gloo_timeout_s)))
     hvd.init()  # Horovod: start the controller (MPI under mpirun or horovodrun --mpi, Gloo under --gloo).
@@ -108,7 +105,7 @@ def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, tune=True, gloo
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
             threads = torch.get_num_threads()
         torch.set_num_threads(threads)
-    if tune and kind == "alone" and not cycle_chosen and hvd.size() > 1 and hvd.rank() == 0:
+    if kind == "alone" and not cycle_chosen and hvd.size() > 1 and hvd.rank() == 0:
         # A launcher this module does not know: the alone-cycle would slow every allreduce.
         print(f"hvd-train: warning: started by an unrecognised launcher ({hvd.size()} ranks, none of "
               f"{', '.join(_RANK_VARS)} set), so Horovod's cycle time is {tuning['cycle_time_ms']:g} ms; pass "

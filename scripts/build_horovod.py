@@ -150,6 +150,18 @@ def patches(cxx_standard):
          "    return nics",
          "when every host of a job was the launcher's own, horovodrun used the loopback interface even with "
          "--network-interface, so hosts that joined an elastic job later could not reach its rendezvous"),
+        ("horovod/common/parameter_manager.cc",
+         "  } else {\n    Eigen::VectorXd v = TunableParameter::BestValue();\n    v[index_[variable]] = value;",
+         "  } else {\n"
+         "    // hvd-train: a variable fixed by an earlier hvd.init() of this process (an elastic reset re-runs it)\n"
+         "    // has left the tuned vector; writing its old index wrote past the vector's end and crashed the\n"
+         "    // survivors of a reset. It stays fixed: the environment that fixed it is read again right after.\n"
+         "    if (fixed_values_.find(variable) != fixed_values_.end()) {\n"
+         "      return;\n"
+         "    }\n"
+         "    Eigen::VectorXd v = TunableParameter::BestValue();\n    v[index_[variable]] = value;",
+         "with HOROVOD_FUSION_THRESHOLD and HOROVOD_CYCLE_TIME set, the hvd.init() of an elastic reset wrote past "
+         "the end of the tuned-parameter vector and the surviving workers crashed (segmentation fault)"),
     ]
 
 

@@ -30,7 +30,7 @@ def test_a_wheel_installs_into_a_fresh_environment_and_trains_from_another_direc
     [wheel] = list(dist.glob("hvd_train-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for module in ("train_hvd.py", "hvd_train/modes/benchmark.py", "hvd_train/engine.py", "hvd_utils/runtime.py",
-                   "models/small_cnn.py", "data/digits.py"):
+                   "models/small_cnn.py", "data/digits.py", "hvd_train/doctor.py", "hostfiles/validate.py"):
         assert module in names, f"{module} is missing from {wheel.name}"
     assert not [n for n in names if n.split("/")[0] in ("tests", "bench", "scripts", "engine.py", "config.py")]
 
@@ -49,6 +49,7 @@ def test_a_wheel_installs_into_a_fresh_environment_and_trains_from_another_direc
 
     hvd_train = fresh / "bin" / "hvd-train"
     assert "--batch-size" in run([hvd_train, "--help"], cwd=elsewhere).stdout
+    assert "a job would start" in run([hvd_train, "doctor", "-H", "localhost:1", "--gloo"], cwd=elsewhere).stdout
     run([hvd_train, "--epochs", "1", "--output-dir", "out", "--logging.tensorboard", "false"], cwd=elsewhere)
     summary = json.loads((elsewhere / "out" / "summary.json").read_text())
     assert len(summary["history"]) == 1 and summary["params_in_sync"]
