@@ -10,9 +10,14 @@ from conftest import BIN
 pytestmark = pytest.mark.distributed
 
 
-def doctor(cluster, *args):
-    hosts = ",".join(f"{h.name}:1" for h in cluster.hosts)
-    return cluster.run(cluster.hosts[0], [BIN / "hvd-train", "doctor", "-H", hosts, "-p", SSH_PORT,
+def doctor(cluster, *args, hostfile=None):
+    """The doctor on the first host, for every host (as -H, or as a hostfile written to `hostfile`)."""
+    if hostfile is None:
+        where = ["-H", ",".join(f"{h.name}:1" for h in cluster.hosts)]
+    else:
+        hostfile.write_text("".join(f"{h.name} slots=1\n" for h in cluster.hosts))
+        where = ["-hostfile", hostfile]
+    return cluster.run(cluster.hosts[0], [BIN / "hvd-train", "doctor", *where, "-p", SSH_PORT,
                                           "-i", cluster.keys / "id", *args], timeout=600)
 
 
@@ -29,7 +34,7 @@ def rows(output, host, check):
 
 def test_a_healthy_cluster_passes(tmp_path):
     with Cluster(tmp_path, 2, names="own") as cluster:
-        proc = doctor(cluster, "--network-interface", IFACE)
+        proc = doctor(cluster, "--network-interface", IFACE, hostfile=tmp_path / "hosts")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for host in ("node-a", "node-b"):
         for check in ("ssh", "versions", "horovod build", "interface", "hostname", "slots", "mpirun", "clock",

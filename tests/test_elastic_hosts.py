@@ -128,3 +128,28 @@ def test_a_host_that_joins_grows_the_job_and_the_rate_and_shards_follow(three_ho
     assert history[0]["lr"] == pytest.approx(0.025) and history[-1]["lr"] == pytest.approx(0.05)
     # The elastic sampler shards each later epoch between both: every training sample once, none twice.
     assert history[-1]["train_count"] == 1438
+
+
+def test_a_worker_that_joined_writes_the_whole_run_when_the_first_host_dies(three_hosts, tmp_path):
+    # node-b trains alone, node-c joins after epoch 1, node-b (rank 0) dies after epoch 3: node-c, which saw
+    # neither epoch 1 nor the start, finishes as rank 0 and writes the whole history.
+    cluster, out = three_hosts, tmp_path / "run"
+    _, b, c = cluster.hosts
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(f"{b.name}:1\n")
+    done = []
+
+    def on_line(line):
+        if not done and f"epoch 1/{EPOCHS}" in line:
+            hosts.write_text(f"{b.name}:1\n{c.name}:1\n")
+            done.append("joined")
+        elif done == ["joined"] and f"epoch 3/{EPOCHS}" in line and "workers changed: now 2" in "".join(seen):
+            cluster.kill_host(b)
+            done.append("killed")
+
+    seen = []
+    job = elastic_job(cluster, hosts, out, np=1, script=WORKERS / "paced_train.py", script_args=("0.2", "45", "--"))
+    output = follow(job, lambda line: (seen.append(line), on_line(line)))
+    assert done == ["joined", "killed"], output[-3000:]
+    summary = check_finished(job, output, out, world_size=1)
+    assert summary["elastic"]["resets"] >= 2

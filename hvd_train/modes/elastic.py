@@ -23,7 +23,8 @@ log = logging.getLogger("hvd_train")
 
 class ElasticHooks(Hooks):
     """fit()'s hooks in an elastic run: the sampler's position and the step counters are committed every
-    `commit_every` steps and after each epoch; `redone` counts the steps a reset rolled back."""
+    `commit_every` steps and after each epoch; st.resets and st.redone count the resets and the steps they rolled
+    back (in the state, so a worker that joins later reports the whole run's)."""
 
     def __init__(self, st, sampler, after_epoch, commit_every, batch_size):
         super().__init__(sampler, after_epoch, after_epoch.state)
@@ -31,7 +32,6 @@ class ElasticHooks(Hooks):
         self.epochs = after_epoch.trainer.epochs
         self.num_samples = len(sampler.dataset)
         self.done = {"epoch": 1, "batch": 0}  # the last step done, before any rollback
-        self.resets = self.redone = 0
 
     def epoch_start(self, epoch):
         """Nothing: Horovod's ElasticSampler starts a new epoch when set_epoch is called at the end of the last."""
@@ -54,13 +54,17 @@ class ElasticHooks(Hooks):
         stop = super().epoch_end(epoch, record)
         self.sampler.set_epoch(epoch + 1)
         st.batch, st.epoch = 0, (self.epochs + 1 if stop else epoch + 1)
+        # The history and best metric travel with the state: a worker that joined later, and may be rank 0 once
+        # the others are gone, writes the whole run into its checkpoints and summary.
+        st.run = dict(self.state.checkpoint_fields(), history=list(self.state.history))
         st.commit()
         return stop
 
     def count_reset(self):
         if self.done["epoch"] == self.st.epoch:
-            self.redone += self.done["batch"] - self.st.batch
-        self.resets += 1
+            self.st.redone += self.done["batch"] - self.st.batch
+        self.st.resets += 1
+        self.st.save()  # the restore point stays the last commit; only the counts are kept from here
 
 
 def run(cfg, rt):
@@ -78,7 +82,8 @@ def run(cfg, rt):
     sampler.set_epoch(1)
     train_loader = build_loaders(train_set, val_set, spec, rt.rank, rt.size, train_sampler=sampler)[0]
     state, outputs = RunState(), outputs_for(cfg, info, trainer.task, is_main=False)
-    st = elastic.state(trainer.model, trainer.optimizer, sampler, epoch=1, batch=0, steps=0, claimed=False)
+    st = elastic.state(trainer.model, trainer.optimizer, sampler, epoch=1, batch=0, steps=0, claimed=False,
+                       run={}, resets=0, redone=0)
     hooks = ElasticHooks(st, sampler, AfterEpoch(cfg, trainer, state, outputs), cfg.horovod.commit_every,
                          spec.batch_size)
 
@@ -102,6 +107,8 @@ def run(cfg, rt):
 
     @elastic.run
     def train(st):
+        if st.run:
+            state.load(st.run)  # rank 0's, as of the last commit (Horovod synced the state before this call)
         if st.claimed:
             take_roles()  # again: a worker that joined the running job has seen no reset to call it
         else:
@@ -127,7 +134,7 @@ def run(cfg, rt):
     finally:
         outputs.reporter.close()
     rank, size, local_size = elastic.world()
-    state.elastic = {"resets": hooks.resets, "steps_redone": hooks.redone, "commit_every": cfg.horovod.commit_every,
+    state.elastic = {"resets": st.resets, "steps_redone": st.redone, "commit_every": cfg.horovod.commit_every,
                      "steps": st.steps}
     return finish(cfg, dataclasses.replace(rt, rank=rank, size=size, local_size=local_size), trainer, state,
                   outputs.reporter)
