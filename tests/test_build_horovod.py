@@ -43,6 +43,16 @@ def fake_sdist(root):
           'print(get_python_inc())"\n                OUTPUT_VARIABLE PYTHON_INCLUDE_PATH)\n'
           'if(NOT Pytorch_VERSION VERSION_LESS "1.5.0")\n    set(CMAKE_CXX_STANDARD 14)\nendif()\n')
     write(root / "cmake/Modules/FindPytorch.cmake", 'string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)\n')
+    write(root / "horovod/common/gloo/gloo_context.cc",
+          "void GlooContext::InitializeForProcessSet(const GlooContext& global_context) {\n"
+          "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
+          "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;\n}\n")
+    write(root / "horovod/runner/driver/driver_service.py",
+          "    if len(remote_host_names) > 0:\n        nics = settings.nics\n"
+          "    else:\n        nics = get_local_interfaces(settings)\n    return nics\n")
+    write(root / "horovod/common/parameter_manager.cc",
+          "    fixed_values_[variable] = value;\n    ResetBayes();\n"
+          "  } else {\n    Eigen::VectorXd v = TunableParameter::BestValue();\n    v[index_[variable]] = value;\n")
 
 
 def test_patches_raise_the_standard_everywhere_and_let_cpu_builds_ignore_cuda_torch(tmp_path):
@@ -55,6 +65,28 @@ def test_patches_raise_the_standard_everywhere_and_let_cpu_builds_ignore_cuda_to
     assert "CMAKE_CXX_STANDARD 20" in torch_cmake and "CMAKE_CXX_STANDARD 14" not in torch_cmake
     assert "distutils" not in torch_cmake and "sysconfig.get_paths()" in torch_cmake
     assert "HVD_TRAIN_TORCH_CPU_ONLY" in find and "set(Pytorch_CUDA FALSE)" in find
+
+
+def test_patches_for_clusters_use_the_named_interface_and_survive_an_elastic_reinit(tmp_path):
+    fake_sdist(tmp_path)
+    build_horovod.apply_patches(tmp_path, 20)
+    gloo = (tmp_path / "horovod/common/gloo/gloo_context.cc").read_text()
+    # A process set's Gloo device takes the global context's interface before it is created.
+    assert gloo.index("gloo_iface_ = global_context.gloo_iface_;") < gloo.index("auto dev = CreateDevice")
+    driver = (tmp_path / "horovod/runner/driver/driver_service.py").read_text()
+    assert "nics = settings.nics or get_local_interfaces(settings)" in driver
+    params = (tmp_path / "horovod/common/parameter_manager.cc").read_text()
+    assert params.index("if (fixed_values_.find(variable) != fixed_values_.end())") < params.index("v[index_[")
+
+
+def test_every_patch_matches_the_real_sdist_once(tmp_path):
+    sdist = Path.home() / ".cache" / "hvd-train" / "sdist" / build_horovod.SDIST_NAME
+    if not sdist.is_file():
+        pytest.skip(f"no cached {build_horovod.SDIST_NAME} (scripts/install.sh downloads it)")
+    import tarfile
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp_path, filter="data")
+    build_horovod.apply_patches(tmp_path / f"horovod-{build_horovod.HOROVOD_VERSION}", 20)  # dies on a mismatch
 
 
 def test_a_source_tree_that_does_not_match_stops_instead_of_half_patching(tmp_path):
