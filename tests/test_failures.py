@@ -74,7 +74,8 @@ def test_a_stopped_rank_ends_the_job_after_the_freeze_timeout_naming_it(tmp_path
     proc, seconds = frozen(launcher, tmp_path, "stop")
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
-    assert seconds >= FREEZE  # it waited for the limit first
+    # It waited for the limit first (counted from the last progress point, which may precede the fault by a step).
+    assert seconds >= FREEZE - 1
     # The host as the launcher named it (horovodrun --gloo: from -H), else as it names itself.
     host = "localhost" if launcher == "horovodrun-gloo" else socket.gethostname()
     assert output.count(f"train_hvd.py: error: rank 1 (host {host}) stopped making progress") == 1, output[-3000:]
@@ -86,7 +87,7 @@ def test_a_stopped_rank_ends_the_job_after_the_freeze_timeout_naming_it(tmp_path
 def test_a_rank_stuck_in_its_step_is_named_with_where_it_is_stuck(tmp_path):
     proc, seconds = frozen("horovodrun-gloo", tmp_path, "hang")
     output = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and seconds >= FREEZE, output[-3000:]
+    assert proc.returncode != 0 and seconds >= FREEZE - 1, output[-3000:]
     assert "rank 1 (host localhost) made no progress for" in output
     assert "it is alive but stuck in its own work" in output
     assert "in faulty_step" in output  # the stuck rank's own stack, printed by its watchdog
