@@ -24,7 +24,7 @@ SSH_TIMEOUT = 60  # seconds for one ssh command: a host that does not answer wit
 
 # Runs on every host (stdin of `python -`): one JSON line of facts, nothing that needs Horovod to be initialised.
 PROBE = r"""
-import json, os, platform, shutil, socket, subprocess, sys, time
+import json, os, platform, shutil, socket, sys, time
 from importlib import metadata
 facts = {"python": platform.python_version(), "time": time.time(), "hostname": socket.gethostname()}
 for dist in ("torch", "horovod", "hvd-train"):
@@ -34,7 +34,7 @@ for dist in ("torch", "horovod", "hvd-train"):
         facts[dist] = None
 try:
     facts["resolves_to"] = socket.gethostbyname(socket.gethostname())
-except OSError as e:
+except OSError:
     facts["resolves_to"] = None
 import psutil
 facts["interfaces"] = {name: [a.address for a in addrs if a.family == socket.AF_INET]

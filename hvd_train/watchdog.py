@@ -102,7 +102,7 @@ class Watchdog:
         self.me, self.sock, self.timeout_s, self.resume_hint = me, sock, timeout_s, resume_hint
         self.token = members[0].token
         self.peers = {m.rank: Peer(m) for m in members if m.rank != me.rank}
-        self.targets = [(m.rank, (a, m.port)) for m in members if m.rank != me.rank for a in self.reach(m)]
+        self.targets = [(a, m.port) for m in members if m.rank != me.rank for a in self.reach(m)]
         self.interval = min(1.0, timeout_s / 10)
         self.progress, self.last_activity = 0, time.monotonic()
         self.stopped = threading.Event()
@@ -130,7 +130,7 @@ class Watchdog:
 
     def beat(self):
         message = json.dumps({"t": self.token, "r": self.me.rank, "p": self.progress}).encode()
-        for _, target in self.targets:
+        for target in self.targets:
             try:
                 self.sock.sendto(message, target)
             except OSError:  # an address that does not route from here: another one of that peer's will

@@ -20,12 +20,12 @@ QUIET = ["--logging.progress=false", "--logging.tensorboard=false", "--logging.p
 BOUND = 60  # seconds within which a job must have ended after one of its ranks failed
 
 
-def faulty(launcher, tmp_path, mode):
-    """Run the app with rank 1 failing at its 5th step; returns the job and the seconds from the fault to its end
-    (start-up, however slow the machine, is not counted)."""
+def faulty(launcher, tmp_path, mode, step=5, extra=()):
+    """Run the app with rank 1 failing at its `step`th step (`extra`: more flags); returns the job and the seconds
+    from the fault to its end (start-up, however slow the machine, is not counted)."""
     fault_time = tmp_path / "fault_time"
-    proc = launch(launcher, 2, WORKERS / "faulty_train.py", "1", "5", mode, "--", "--output-dir", tmp_path, *QUIET,
-                  check=False, env={"HVD_TEST_FAULT_TIME": str(fault_time)})
+    proc = launch(launcher, 2, WORKERS / "faulty_train.py", "1", step, mode, "--", "--output-dir", tmp_path, *QUIET,
+                  *extra, check=False, env={"HVD_TEST_FAULT_TIME": str(fault_time)})
     assert fault_time.exists(), f"the fault was never injected:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     return proc, time.time() - float(fault_time.read_text())
 
@@ -55,12 +55,7 @@ FREEZE = 20  # --freeze-timeout of the frozen-rank tests: generous for a step of
 def frozen(launcher, tmp_path, mode):
     """Rank 1 freezes (`mode` stop: SIGSTOP; hang: blocked in its step) at its 28th step, in epoch 2 (23 steps an
     epoch), after epoch 1's checkpoint. Returns the job's output and the seconds from the freeze to the job's end."""
-    fault_time = tmp_path / "fault_time"
-    proc = launch(launcher, 2, WORKERS / "faulty_train.py", "1", "28", mode, "--", "--output-dir", tmp_path, *QUIET,
-                  "--epochs", "3", "--freeze-timeout", FREEZE, check=False,
-                  env={"HVD_TEST_FAULT_TIME": str(fault_time)})
-    assert fault_time.exists(), f"the fault was never injected:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-    return proc, time.time() - float(fault_time.read_text())
+    return faulty(launcher, tmp_path, mode, step=28, extra=("--epochs", "3", "--freeze-timeout", FREEZE))
 
 
 def assert_checkpoint_of_epoch_1_intact(run):

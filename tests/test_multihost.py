@@ -44,7 +44,7 @@ def test_horovodrun_across_two_hosts(two_hosts, tmp_path, controller):
     hosts = ",".join(f"{h.name}:1" for h in two_hosts.hosts)
     run_ok(two_hosts, [BIN / "horovodrun", controller, "-np", "2", "-H", hosts, "--network-interface", IFACE,
                        *two_hosts.horovodrun_ssh(), *TRAIN, "--output-dir", tmp_path / "run"])
-    check_two_host_run(tmp_path / "run", controller[2:].upper().replace("GLOO", "Gloo"))
+    check_two_host_run(tmp_path / "run", {"--gloo": "Gloo", "--mpi": "MPI"}[controller])
 
 
 def test_mpirun_across_two_hosts(two_named_hosts, tmp_path):
