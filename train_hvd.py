@@ -23,13 +23,13 @@ import hvd_utils
 from data import BadSampleError, DataError
 from hvd_train.build import build_data, build_trainer, check_choices
 from hvd_train.config import parse_config
-from hvd_train import doctor, watchdog
+from hvd_train import doctor, interrupt, watchdog
 from hvd_train.engine import Hooks, fit
 from hvd_train.errors import CheckpointError, ConfigError, NonFiniteLossError
 from hvd_train.modes import benchmark, elastic, evaluate
 from hvd_train.reporting import finish, log_setup
-from hvd_train.run_dir import RunDir, write_json
-from hvd_train.run_state import AfterEpoch, RunState, outputs_for, resume
+from hvd_train.run_dir import RunDir, check_writable, reported_write, write_json
+from hvd_train.run_state import AfterEpoch, RunState, checkpoint_fits, outputs_for, resume
 
 log = logging.getLogger("hvd_train")
 
@@ -50,7 +50,14 @@ def main(argv=None):
                         cycle_time_ms=cfg.horovod.cycle_time_ms,
                         gloo_timeout_s=cfg.run.freeze_timeout_s + 60 if watched else 0)
     setup_logging(rt.is_main)
+    interrupt.install(report=rt.is_main)  # Ctrl-C and SIGTERM: say where the run stopped (hvd_train/interrupt.py)
     torch.manual_seed(cfg.run.seed + rt.rank)  # different dropout per rank; the weights come from rank 0
+    # The output directory first: a path that cannot be written fails in one line, before data and model are built.
+    # (An elastic worker checks alone: one that joins later must not run a collective outside Horovod's loop.)
+    if cfg.horovod.elastic:
+        check_writable(cfg.run.output_dir)
+    else:
+        hvd_utils.decide_on_root(lambda: check_writable(cfg.run.output_dir), "output_dir_check")
     if cfg.benchmark.enabled:
         return benchmark.run(cfg, rt)
     if cfg.run.evaluate:
@@ -70,17 +77,18 @@ def train(cfg, rt):
     run_dir = RunDir(cfg.run.output_dir)
     resume_from = hvd_utils.decide_on_root(lambda: run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite),
                                            "output_dir")
-    state, outputs = RunState(), outputs_for(cfg, info, trainer.task, rt.is_main, resume=bool(resume_from))
-    if resume_from:
-        resume(resume_from, trainer, state, outputs.fits)  # every rank gets the checkpoint's weights
+    state = RunState()
+    if resume_from:  # every rank gets the checkpoint's weights; refused before anything is written
+        resume(resume_from, trainer, state, checkpoint_fits(cfg, info, trainer.task))
     else:
         if cfg.checkpoint.resume:
-            log.info("--resume auto: no checkpoint in %s yet, starting afresh", outputs.run_dir.checkpoints)
+            log.info("--resume auto: no checkpoint in %s yet, starting afresh", run_dir.checkpoints)
         # Horovod: every rank starts from rank 0's weights and optimizer state.
         hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
+    outputs = outputs_for(cfg, info, trainer.task, rt.is_main, state)
+    interrupt.describe_with(lambda: state.where(cfg.optim.epochs, run_dir.checkpoint("last.pt")))
     log_setup(cfg, rt, info, trainer, state.epoch)
-    if rt.is_main:
-        write_json(outputs.run_dir.config, cfg.to_dict())
+    hvd_utils.decide_on_root(lambda: write_config(outputs.run_dir.config, cfg), "config")  # a full disk stops all
     # A rank that stops making progress ends the job with its name instead of hanging it (every rank starts it).
     watchdog.start(rt, cfg.run.freeze_timeout_s, f"Checkpoints in {outputs.run_dir.checkpoints} are written whole or "
                    "not at all: --resume auto continues from the newest.")
@@ -91,6 +99,11 @@ def train(cfg, rt):
         watchdog.stop()
         outputs.reporter.close()
     return finish(cfg, rt, trainer, state, outputs.reporter)
+
+
+def write_config(path, cfg):
+    with reported_write(path):
+        write_json(path, cfg.to_dict())
 
 
 def cli():
@@ -109,11 +122,19 @@ def cli():
         # Met by this rank alone, mid-epoch: it names the file; the other ranks stop as their peer is gone.
         print(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: error: {e}", file=sys.stderr)
         code = 2
+    except interrupt.Interrupted as e:
+        # Ctrl-C or SIGTERM: rank 0 says where the run stopped and where --resume auto continues.
+        interrupt.report()
+        code = e.exit_code
     except hvd_utils.PeerFailure:
-        # This rank was waiting in a collective when another one failed: that rank reports the cause.
-        print(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: stopping because another rank failed "
-              f"(its error is reported above or by the launcher)", file=sys.stderr)
-        code = 1
+        if interrupt.signalled():  # the signal reached another rank first, which ended the collective
+            interrupt.report()
+            code = 128 + interrupt.signalled()
+        else:
+            # This rank was waiting in a collective when another one failed: that rank reports the cause.
+            print(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: stopping because another rank failed "
+                  f"(its error is reported above or by the launcher)", file=sys.stderr)
+            code = 1
     except Exception:
         # A bug or a fault on this rank alone: its traceback, once, with the rank named.
         print(f"train_hvd.py: rank {hvd_utils.launcher_rank()} failed:\n{traceback.format_exc()}", file=sys.stderr)

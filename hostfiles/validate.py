@@ -1,10 +1,11 @@
 """Check a hostfile before a job waits on it: `python hostfiles/validate.py FILE`.
 
 Accepts the format both horovodrun (-hostfile) and OpenMPI's mpirun read: one host per line, `HOST slots=N`
-(OpenMPI's optional `max_slots=M` too), blank lines and `#` comments. Exit 0 and a one-line total when the file
-is valid; otherwise every problem as FILE:LINE: message, and exit 1.
+(OpenMPI's optional `max_slots=M` too), each host once, blank lines and `#` comments, Unix line endings. Exit 0
+and a one-line total when the file is valid; otherwise every problem as FILE:LINE: message, and exit 1.
 """
 import re
+import shlex
 import sys
 
 # A host name or IPv4/IPv6 address: letters, digits, dots, dashes, underscores, colons (IPv6), brackets.
@@ -13,12 +14,47 @@ OPTION = re.compile(r"^(slots|max_slots|max-slots)=(\S*)$")
 HOST_COLON_SLOTS = re.compile(r"^([A-Za-z0-9_.\-]+):(\d+)$")
 
 
+class HostListError(Exception):
+    """A host list that cannot be read at all; the message names the file and the reason."""
+
+
+def read_lines(path, name=None):
+    """The lines of the file at `path`, split at LF only, so that a Windows CR stays visible (open() in text mode
+    would drop it). `name` is what messages call the file (default: its path)."""
+    name = name or path
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise HostListError(f"{name}: cannot read: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        number = data.count(b"\n", 0, e.start) + 1
+        raise HostListError(f"{name}:{number}: byte {data[e.start]:#04x} is not UTF-8 text: a host list holds host "
+                            f"names and addresses; save it as plain text") from None
+
+
+def windows_line_ending(path, lines):
+    """(line number, message) for the first line holding a carriage return (a file saved on Windows), or None.
+    mpirun -hostfile stops there with an ORTE parse error, so a hostfile must have none. parse() itself reads a CR
+    as blank space, so that a live host list saved on Windows still works: Horovod sees only discover_hosts.py's
+    output, never the file."""
+    for number, line in enumerate(lines, 1):
+        if "\r" in line:
+            quoted = shlex.quote(str(path))
+            return number, (f"Windows line endings (CR LF), which mpirun -hostfile rejects: convert the file with "
+                            f"sed -i 's/\\r$//' {quoted} (or dos2unix {quoted})")
+    return None
+
+
 def parse(lines, live=False):
     """(hosts as [(host, slots)], errors as [(line number, message)]): the one reader of host lists.
 
     A hostfile (live=False) is what horovodrun -hostfile and mpirun -hostfile read: every line `HOST slots=N`.
     The live host list an operator edits for elastic discovery (live=True) also takes horovodrun -H's `HOST:N`
-    and a bare `HOST` (one slot), and `slots=0` there drains the host (it is left out).
+    and a bare `HOST` (one slot), and `slots=0` there drains the host (it is left out). Either way a host is listed
+    once, compared without case as mpirun resolves names (it refuses a hostfile that repeats a host).
     """
     hosts, errors, seen = [], [], {}
     for number, raw in enumerate(lines, 1):
@@ -35,6 +71,13 @@ def parse(lines, live=False):
             continue
         if not HOST.match(host) or "=" in host:
             errors.append((number, f"{host!r} is not a host name or address"))
+            continue
+        # Recorded before the slots are checked: a repeat is named even while the first line has another problem.
+        first, spelled = seen.setdefault(host.lower(), (number, host))
+        if first != number:
+            also = "" if spelled == host else f" as {spelled}"
+            errors.append((number, f"{host} is listed again (first on line {first}{also}): list each host once, "
+                                   f"with its total slots"))
             continue
         values = {}
         for option in options:
@@ -60,10 +103,6 @@ def parse(lines, live=False):
         if values.get("max_slots", values["slots"]) < values["slots"]:
             errors.append((number, f"{host} has max_slots={values['max_slots']} below slots={values['slots']}"))
             continue
-        if host in seen:
-            errors.append((number, f"{host} is listed again (first on line {seen[host]}); list each host once"))
-            continue
-        seen[host] = number
         if values["slots"] > 0:
             hosts.append((host, values["slots"]))
     return hosts, errors
@@ -75,14 +114,16 @@ def main(argv):
         return 2
     path = argv[0]
     try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        print(f"{path}: cannot read: {e.strerror}", file=sys.stderr)
+        lines = read_lines(path)
+    except HostListError as e:
+        print(e, file=sys.stderr)
         return 1
     hosts, errors = parse(lines)
     if not hosts and not errors:
         errors.append((1, "no hosts: the file has only blank lines and comments"))
+    crlf = windows_line_ending(path, lines)
+    if crlf:
+        errors = sorted(errors + [crlf], key=lambda error: error[0])
     for number, message in errors:
         print(f"{path}:{number}: {message}", file=sys.stderr)
     if errors:

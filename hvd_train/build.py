@@ -2,6 +2,8 @@
 
 Each mode calls only the builders it uses (evaluation builds no optimizer; elastic training its own sampler).
 """
+import os
+
 import torch
 
 import hvd_utils
@@ -21,6 +23,12 @@ def check_choices(cfg):
                           f"classification model ({', '.join(model_names()[2:8])}, ...)")
     if cfg.data.dataset not in DATASETS:
         raise ConfigError(f"--dataset={cfg.data.dataset!r} is not known; choose one of: {', '.join(DATASETS)}")
+    # Data sets that live in files need --data-dir to be a directory (or absent, to be downloaded into).
+    if cfg.data.dataset not in ("digits", "synthetic") and os.path.exists(cfg.data.data_dir) and \
+            not os.path.isdir(cfg.data.data_dir):
+        later = " (or will, with --download)" if cfg.data.download else ""
+        raise ConfigError(f"--data-dir {cfg.data.data_dir}: is a file, not a directory; give the directory that "
+                          f"holds the {cfg.data.dataset} data set{later}")
     if cfg.run.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no GPU is visible to this process (torch.cuda.is_available() is False); "
                           "check CUDA_VISIBLE_DEVICES and the driver, or use --device cpu")

@@ -7,14 +7,17 @@ checkpoint is data, and a file that would run code on loading is refused.
 """
 import glob
 import os
+import pickle
 import random
 import re
 import shutil
+import warnings
+import zipfile
 
 import torch
 
 from hvd_train.errors import CheckpointError
-from hvd_train.run_dir import atomic_write
+from hvd_train.run_dir import atomic_write, reported_write
 
 VERSION = 1
 
@@ -67,16 +70,19 @@ class Checkpointer:
                 os.remove(stale)
 
     def save(self, payload, epoch, is_best):
-        """Write epoch `epoch`; returns the path of last.pt (None on ranks that do not write)."""
+        """Write epoch `epoch`; returns the path of last.pt (None on ranks that do not write). A failed write (a
+        full disk) is one CheckpointError and leaves the earlier checkpoints as they were."""
         if not self.enabled:
             return None
-        os.makedirs(self.directory, exist_ok=True)  # an elastic run's writer may change, and start late
         path = os.path.join(self.directory, f"epoch_{epoch:04d}.pt")
-        atomic_save(payload, path)
         last = os.path.join(self.directory, "last.pt")
-        _link_or_copy(path, last)
-        if is_best:
-            _link_or_copy(path, os.path.join(self.directory, "best.pt"))
+        with reported_write(path, "; the checkpoints written before are intact, and --resume auto continues from "
+                                  "the newest"):
+            os.makedirs(self.directory, exist_ok=True)  # an elastic run's writer may change, and start late
+            atomic_save(payload, path)
+            _link_or_copy(path, last)
+            if is_best:
+                _link_or_copy(path, os.path.join(self.directory, "best.pt"))
         for old in epoch_files(self.directory)[:-self.keep_last or None]:
             os.remove(old)
         return last
@@ -84,12 +90,22 @@ class Checkpointer:
 
 def load(path):
     """Read a checkpoint safely (weights_only) and check it is one of ours."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path}: is a directory; give a checkpoint file such as {path}/last.pt")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path}: not a checkpoint, or one cut short (torch.save writes a zip archive and this "
+                              f"is not a whole one)")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, foreign pickle, not a torch file: all the same to the user
-        first_line = (str(e).splitlines() or [""])[0][:200]
-        raise CheckpointError(f"{path}: not a readable hvd-train checkpoint ({type(e).__name__}: {first_line})") \
-            from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on pickle protocols, meaningless to a user
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's own message advises weights_only=False, which would run the file's code: not for our users.
+        raise CheckpointError(f"{path}: not an hvd-train checkpoint (it holds Python objects other than tensors "
+                              f"and plain values, and is refused: loading those could run code)") from None
+    except Exception as e:  # a zip archive cut short or damaged
+        raise CheckpointError(f"{path}: damaged or incomplete checkpoint ({type(e).__name__}); resume from an "
+                              f"earlier one in the same directory") from None
     if not isinstance(ckpt, dict) or ckpt.get("version") != VERSION:
         raise CheckpointError(f"{path}: not an hvd-train checkpoint (version {VERSION} expected)")
     return ckpt

@@ -9,7 +9,9 @@ command line: `--section.field VALUE` sets any field, and the flags people look 
 import argparse
 import dataclasses
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, field
 
 from hvd_train.errors import ConfigError
@@ -34,8 +36,30 @@ def opt(default, help):
     return field(default=default, metadata={"help": help})
 
 
+def _label(section, name):
+    """How messages name a field: `optim.lr (--lr)`, with the short flag where there is one."""
+    alias = next((flag for flag, dest in ALIASES.items() if dest == f"{section}.{name}"), None)
+    return f"{section}.{name}" + (f" (--{alias})" if alias else "")
+
+
+class _Section:
+    """The check every section runs first: each float setting is a finite number.
+
+    No setting uses inf for "unlimited" (those that can be switched off say so with 0 or -1), and nan passes no range
+    check while inf passes many (lr > 0, clip_grad >= 0, ...). Checked here, for every float field at once, both get
+    one message, whatever field they are given to and whether they come from the command line or a recipe.
+    """
+
+    def __post_init__(self):
+        section = next(s.name for s in dataclasses.fields(Config) if s.type is type(self))
+        for f in (f for f in dataclasses.fields(self) if f.type is float):
+            value = getattr(self, f.name)
+            _require(math.isfinite(value), _label(section, f.name), value,
+                     f"must be a finite number, e.g. the default {f.default!r} ({f.metadata['help']})")
+
+
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     dataset: str = opt("digits", "digits, synthetic, mnist, cifar10, stl10 or imagefolder (see data.DATASETS)")
     data_dir: str = opt("datasets", "where data sets are read from (and downloaded to with --download)")
     download: bool = opt(False, "fetch a missing data set (local rank 0 of each host; the others wait)")
@@ -49,6 +73,7 @@ class DataConfig:
     synthetic_classes: int = opt(10, "synthetic: number of classes")
 
     def __post_init__(self):
+        super().__post_init__()
         _require(bool(self.data_dir), "data.data_dir (--data-dir)", self.data_dir, "must name a directory")
         _require(self.image_size >= 0, "data.image_size (--image-size)", self.image_size,
                  "must be a size in pixels, or 0 for the data set's own")
@@ -60,13 +85,13 @@ class DataConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     name: str = opt("small_cnn", "small_cnn, vae, or any torchvision classification model (resnet18, resnet50, ...)")
     channels_last: bool = opt(False, "weights and batches in channels-last (NHWC) memory: faster --amp convs on GPUs")
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(_Section):
     optimizer: str = opt("sgd", "sgd, adam or adamw")
     epochs: int = opt(15, "passes over the training set")
     batch_size: int = opt(32, "samples per rank per backward pass; global batch: x ranks x batches_per_allreduce")
@@ -83,6 +108,7 @@ class OptimConfig:
     amp: str = opt("off", "mixed precision: off, bf16 (CPU and GPU) or fp16 (GPU, with a gradient scaler)")
 
     def __post_init__(self):
+        super().__post_init__()
         self.lr_milestones = tuple(self.lr_milestones)
         _choice("optim.optimizer (--optimizer)", self.optimizer, OPTIMIZERS)
         _require(self.epochs > 0, "optim.epochs (--epochs)", self.epochs, "must be a positive number of epochs")
@@ -106,7 +132,7 @@ class OptimConfig:
 
 
 @dataclass
-class HorovodConfig:
+class HorovodConfig(_Section):
     batches_per_allreduce: int = opt(1, "backward passes summed locally before one allreduce (gradient accumulation)")
     fp16_allreduce: bool = opt(False, "compress gradients to fp16 for the allreduce (half the bytes on the wire)")
     use_adasum: bool = opt(False, "combine gradients with Adasum instead of averaging them")
@@ -118,6 +144,7 @@ class HorovodConfig:
     cycle_time_ms: float = opt(0.0, "Horovod's cycle, ms (0: by launch, README); launcher flags win")
 
     def __post_init__(self):
+        super().__post_init__()
         _require(self.batches_per_allreduce >= 1, "horovod.batches_per_allreduce (--batches-per-allreduce)",
                  self.batches_per_allreduce, "must be 1 or more")
         _require(self.gradient_predivide_factor > 0, "horovod.gradient_predivide_factor",
@@ -132,18 +159,19 @@ class HorovodConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     resume: str = opt("", "checkpoint to resume from: a path, or auto for the newest in <output dir>/checkpoints")
     keep_last: int = opt(3, "how many of the newest per-epoch checkpoints to keep (last.pt and best.pt are extra)")
     every_epochs: int = opt(1, "write a checkpoint every this many epochs (and after the last)")
 
     def __post_init__(self):
+        super().__post_init__()
         _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "must be 0 or more")
         _require(self.every_epochs >= 1, "checkpoint.every_epochs", self.every_epochs, "must be 1 or more")
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(_Section):
     progress: bool = opt(True, "rank 0 shows a progress bar per epoch (tqdm)")
     progress_every: float = opt(60.0, "seconds between progress lines when stderr is not a terminal (logs, horovodrun)")
     log_every: int = opt(20, "steps between progress updates and the all-rank non-finite loss check")
@@ -151,12 +179,13 @@ class LoggingConfig:
     plot: bool = opt(True, "draw the loss and accuracy curves to <output dir>/curves.png at the end")
 
     def __post_init__(self):
+        super().__post_init__()
         _require(self.log_every >= 1, "logging.log_every", self.log_every, "must be 1 or more steps")
         _require(self.progress_every >= 0, "logging.progress_every", self.progress_every, "must be 0 or more seconds")
 
 
 @dataclass
-class RunConfig:
+class RunConfig(_Section):
     output_dir: str = opt("runs/latest", "where rank 0 writes summary, metrics, checkpoints and the resolved config")
     seed: int = opt(42, "base random seed; rank r seeds with seed + r, parameters come from rank 0")
     evaluate: bool = opt(False, "only evaluate the checkpoint given by --resume, then stop")
@@ -168,23 +197,25 @@ class RunConfig:
                                   "this many seconds without progress (0: never; fixed-size jobs)")
 
     def __post_init__(self):
+        super().__post_init__()
         _require(bool(self.output_dir), "run.output_dir (--output-dir)", self.output_dir, "must name a directory")
         _require(self.stop_at >= 0, "run.stop_at (--stop-at)", self.stop_at,
                  "must be a target value of the best metric (e.g. 98 for 98% val top-1), or 0 for none")
         _choice("run.device (--device)", self.device, DEVICES)
-        _require(self.freeze_timeout_s == 0 or 10 <= self.freeze_timeout_s < float("inf"),
+        _require(self.freeze_timeout_s == 0 or self.freeze_timeout_s >= 10,
                  "run.freeze_timeout_s (--freeze-timeout)", self.freeze_timeout_s,
                  "must be a number of seconds of at least 10 (a step may take seconds), or 0 to never end a job")
 
 
 @dataclass
-class BenchmarkConfig:
+class BenchmarkConfig(_Section):
     enabled: bool = opt(False, "time training steps on one synthetic in-memory batch instead of training")
     num_warmup_batches: int = opt(10, "untimed steps first: allocator, caches and Horovod's first negotiation settle")
     num_iters: int = opt(10, "timed iterations; images/s is reported as mean +- 1.96 std over them")
     num_batches_per_iter: int = opt(10, "training steps per timed iteration")
 
     def __post_init__(self):
+        super().__post_init__()
         _require(self.num_warmup_batches >= 0, "benchmark.num_warmup_batches (--num-warmup-batches)",
                  self.num_warmup_batches, "must be 0 or more steps")
         _require(self.num_iters >= 1, "benchmark.num_iters (--num-iters)", self.num_iters,
@@ -299,6 +330,13 @@ _PARSERS = {bool: _parse_bool, tuple: _parse_int_tuple, int: int, float: float, 
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # argparse takes `-inf` and `-1e-3` after a flag for flags, and then says "expected one argument"; as no flag
+        # of ours looks like a number, every negative number is a value, which the field's own check then judges.
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|infinity|nan)$",
+                                                   re.IGNORECASE)
+
     def error(self, message):
         # One exception type for every bad setting, so the entry point reports it once, the same way.
         raise ConfigError(f"{message} (see --help)")
@@ -344,20 +382,89 @@ def _check_yaml_value(where, f, value):
     if not ok:
         raise ConfigError(f"{where}: expected {f.type.__name__}{' of whole numbers' if f.type is tuple else ''}, "
                           f"got {type(value).__name__} {value!r}")
-    return float(value) if f.type is float else value
+    if f.type is float:
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{where}: a whole number of {len(str(abs(value)))} digits is too large for a float")
+    return value
+
+
+def _read_text(path):
+    """The recipe's text, or a ConfigError saying why it cannot be read."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--config {path}: is a directory; expected a YAML file such as configs/digits_cnn.yaml")
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file (recipes live in configs/)")
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot be read ({e.strerror or e})")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {data[e.start]:#04x} on line {line}); "
+                          f"save it as UTF-8")
+
+
+def _repeated_key(mapping, prefix=""):
+    """(dotted key, first line, second line) of a key written twice in this YAML mapping node, else None.
+
+    Keys pulled in by a merge (`<<: *base`) are left out: YAML lets a mapping's own keys override those."""
+    first = {}
+    for key, _ in mapping.value:
+        if key.id != "scalar" or key.tag == "tag:yaml.org,2002:merge":
+            continue
+        line = key.start_mark.line + 1
+        if (key.tag, key.value) in first:
+            return prefix + key.value, first[key.tag, key.value], line
+        first[key.tag, key.value] = line
+    return None
+
+
+def _refuse_repeats(root, path):
+    """A section written twice, or a key written twice within one: PyYAML would keep the last without a word."""
+    if root is None or root.id != "mapping":
+        return  # load_recipe refuses a recipe that is not a mapping of sections
+    repeated = _repeated_key(root)
+    if repeated:
+        raise ConfigError(f"--config {path}: section {repeated[0]} appears twice, on lines {repeated[1]} and "
+                          f"{repeated[2]}; merge them into one")
+    for key, value in root.value:
+        repeated = _repeated_key(value, f"{key.value}.") if key.id == "scalar" and value.id == "mapping" else None
+        if repeated:
+            raise ConfigError(f"--config {path}: {repeated[0]} appears twice, on lines {repeated[1]} and "
+                              f"{repeated[2]}; keep one")
+
+
+def _parse_yaml(text, path):
+    """yaml.safe_load, step by step: the document's nodes are checked for repeated keys before they become dicts."""
+    import yaml
+
+    loader = yaml.SafeLoader(text)
+    loader.name = path  # PyYAML's own messages then name the file, as they do when given an open file
+    try:
+        root = loader.get_single_node()
+        _refuse_repeats(root, path)
+        return None if root is None else loader.construct_document(root)
+    finally:
+        loader.dispose()
 
 
 def load_recipe(path):
     """Read a YAML recipe into {section: {field: value}}, refusing unknown sections, unknown keys and wrong types."""
     import yaml
 
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config {path}: no such file (recipes live in configs/)")
+    text = _read_text(path)
     try:
-        with open(path) as fh:
-            raw = yaml.safe_load(fh) or {}
+        raw = _parse_yaml(text, path)
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path}: not valid YAML: {e}")
+    if raw is None or raw == {}:
+        raise ConfigError(f"--config {path}: holds no settings; write sections as in configs/digits_cnn.yaml, "
+                          f"or leave out --config")
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(raw).__name__}")
     sections = {s.name: s.type for s in dataclasses.fields(Config)}

@@ -18,7 +18,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from hostfiles.validate import parse
+from hostfiles.validate import HostListError, parse, read_lines, windows_line_ending
 
 SSH_TIMEOUT = 60  # seconds for one ssh command: a host that does not answer within it is reported, not waited on
 
@@ -257,11 +257,12 @@ def read_hosts(args):
         lines, source = args.hosts.split(","), "-H"
     else:
         try:
-            with open(args.hostfile) as f:
-                lines, source = f.read().splitlines(), args.hostfile
-        except OSError as e:
-            sys.exit(f"hvd-train doctor: cannot read the hostfile {args.hostfile}: {e.strerror}")
+            lines, source = read_lines(args.hostfile), args.hostfile
+        except HostListError as e:
+            sys.exit(f"hvd-train doctor: {e}")
     hosts, errors = parse(lines, live=bool(args.hosts))
+    crlf = None if args.hosts else windows_line_ending(args.hostfile, lines)
+    errors = errors or ([crlf] if crlf else [])
     if errors:
         number, message = errors[0]
         sys.exit(f"hvd-train doctor: {source}{'' if args.hosts else f':{number}'}: {message}")

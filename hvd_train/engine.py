@@ -61,6 +61,8 @@ class Hooks:
         self.sampler, self.on_epoch_end, self.state = sampler, on_epoch_end, state
 
     def epoch_start(self, epoch):
+        if self.state is not None:
+            self.state.in_epoch, self.state.epoch_first_step = epoch, self.state.step
         if self.sampler is not None:
             # Horovod: a new shuffle every epoch, the same on every rank, so the shards stay disjoint.
             self.sampler.set_epoch(epoch)

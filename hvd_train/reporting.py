@@ -12,17 +12,26 @@ import time
 import psutil
 
 import hvd_utils
-from hvd_train.run_dir import RunDir, write_json
+from hvd_train.run_dir import RunDir, atomic_write, reported_write, write_json
 
 log = logging.getLogger("hvd_train")
 
 
 class Reporter:
-    def __init__(self, output_dir, enabled, tensorboard=True, resume=False):
+    """resumed_history: the records of the checkpoint a run resumes from. metrics.jsonl is rewritten to hold
+    exactly those (records of epochs after the checkpoint were lost with the run that wrote them, and are trained
+    again), and TensorBoard hides its points after that epoch (purge_step), so each epoch has one record."""
+
+    def __init__(self, output_dir, enabled, tensorboard=True, resumed_history=None):
         self.dir, self.enabled, self.tensorboard, self.writer = RunDir(output_dir), False, tensorboard, None
         self.jsonl = self.dir.metrics
-        if enabled and not resume and os.path.exists(self.jsonl):
-            os.remove(self.jsonl)  # a fresh run starts a fresh record; a resumed one continues it
+        self.purge_step = None
+        if enabled and resumed_history:
+            with reported_write(self.jsonl):
+                atomic_write(self.jsonl, lambda f: f.writelines(_line(r) for r in resumed_history))
+            self.purge_step = resumed_history[-1]["epoch"] + 1
+        elif enabled and os.path.exists(self.jsonl):
+            os.remove(self.jsonl)  # a fresh run starts a fresh record
         self.set_enabled(enabled)
 
     def set_enabled(self, enabled):
@@ -32,7 +41,8 @@ class Reporter:
             if self.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(self.dir.tensorboard)
+                self.writer = SummaryWriter(self.dir.tensorboard, purge_step=self.purge_step)
+                self.purge_step = None  # once: a writer started later (elastic) must not hide newer points
         elif not enabled:
             self.close()
         self.enabled = enabled
@@ -40,8 +50,9 @@ class Reporter:
     def epoch(self, record):
         if not self.enabled:
             return
-        with open(self.jsonl, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        with reported_write(self.jsonl):
+            with open(self.jsonl, "a") as f:
+                f.write(_line(record))
         if self.writer is not None:
             for key, value in record.items():
                 if key != "epoch" and isinstance(value, (int, float)) and math.isfinite(value):
@@ -81,6 +92,10 @@ class Reporter:
             self.writer = None
 
 
+def _line(record):
+    return json.dumps(record, sort_keys=True) + "\n"
+
+
 def seconds_since_start():
     """Seconds since this process started (imports and Horovod start-up included): what a user waits for."""
     return time.time() - psutil.Process().create_time()
@@ -92,7 +107,7 @@ def build_summary(cfg, rt, task, state, lr, fingerprints):
     summary = {
         "config_name": cfg.run.name or "default", "world_size": rt.size, "local_size": rt.local_size,
         "device": str(rt.device), "controller": rt.controller, "tensor_ops": rt.tensor_ops,
-        "fusion_threshold_mb": rt.fusion_threshold_mb, "cycle_time_ms": rt.cycle_time_ms,
+        "fusion_threshold_mb": rt.fusion_threshold_mb, "cycle_time_ms": rt.cycle_time_ms, "autotune": rt.autotune,
         "threads_per_rank": rt.threads, "dataset": cfg.data.dataset, "model": cfg.model.name, "task": task.name,
         "epochs": cfg.optim.epochs, "batch_size_per_rank": cfg.optim.batch_size,
         "global_batch_size": cfg.optim.batch_size * rt.size * cfg.horovod.batches_per_allreduce,
@@ -102,7 +117,9 @@ def build_summary(cfg, rt, task, state, lr, fingerprints):
         "final_val_loss": last["val_loss"],
         "train_samples_per_sec": sum(r["train_count"] for r in history) / sum(r["epoch_seconds"] for r in history),
         "params_in_sync": len(set(fingerprints)) == 1, "params_fingerprints": fingerprints,
-        "wall_seconds": seconds_since_start(), "process_start_time": psutil.Process().create_time(),
+        # The whole run's time (each part up to the checkpoint the next one resumed from), and this process's.
+        "wall_seconds": state.wall_seconds(), "process_wall_seconds": seconds_since_start(),
+        "process_start_time": psutil.Process().create_time(), "resumes": state.resumes,
         "history": history,
     }
     if state.stopped_at is not None:  # --stop-at ended the run early
@@ -121,6 +138,12 @@ def log_setup(cfg, rt, info, trainer, resumed_epoch):
     log.info("hvd-train %s: %d rank(s), %d per host, device %s, %d CPU thread(s) per rank, controller %s, "
              "tensor ops %s, fusion %g MB, cycle %g ms", cfg.run.name or "default", rt.size, rt.local_size,
              rt.device, rt.threads, rt.controller, rt.tensor_ops, rt.fusion_threshold_mb, rt.cycle_time_ms)
+    if rt.autotune:
+        log.info("Horovod autotune is on: it tunes %s while training, from the values above%s",
+                 " and ".join(name for name, var in (("the fusion threshold", "HOROVOD_FUSION_THRESHOLD"),
+                                                     ("the cycle time", "HOROVOD_CYCLE_TIME"))
+                              if var not in os.environ) or "nothing (both are fixed in the environment)",
+                 f"; its log: {os.environ['HOROVOD_AUTOTUNE_LOG']}" if os.environ.get("HOROVOD_AUTOTUNE_LOG") else "")
     log.info("data %s: %d train / %d val samples of %dx%dx%d; model %s (%s, %.2fM parameters)", cfg.data.dataset,
              info.num_train, info.num_val, info.in_channels, info.image_size, info.image_size, cfg.model.name,
              trainer.task.name, sum(p.numel() for p in trainer.model.parameters()) / 1e6)
@@ -140,9 +163,11 @@ def finish(cfg, rt, trainer, state, reporter):
     task, lr = trainer.task, cfg.optim.lr * trainer.schedule.lr_scale
     if rt.is_main:
         summary = build_summary(cfg, rt, task, state, lr, fingerprints)
-        summary["curves_png"] = reporter.plot(state.history) if cfg.logging.plot else None
         path = RunDir(cfg.run.output_dir).summary
-        write_json(path, summary)
+        with reported_write(RunDir(cfg.run.output_dir).curves):
+            summary["curves_png"] = reporter.plot(state.history) if cfg.logging.plot else None
+        with reported_write(path):
+            write_json(path, summary)
         log.info("done: best %s %.4g (epoch %s), %.0f train samples/s, %.1fs wall; summary in %s",
                  task.best_metric, state.best_metric, state.best_epoch, summary["train_samples_per_sec"],
                  summary["wall_seconds"], path)

@@ -11,6 +11,8 @@
 Only rank 0 writes, and every write goes through atomic_write: a reader, or a run killed halfway, sees the old
 file or the new one, never half of one.
 """
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -82,6 +84,44 @@ class RunDir:
         if holds_run and not overwrite:
             raise CheckpointError(f"{self.root} holds a training run; give the benchmark another --output-dir, or "
                                   f"replace the run with --overwrite")
+
+
+@contextlib.contextmanager
+def reported_write(path, then=""):
+    """Turn a failed write of `path` into one CheckpointError: the file, the cause and the fix (a full disk names
+    the free space; torch.save buries the OSError under its own RuntimeError, so the chain is searched)."""
+    try:
+        yield
+    except Exception as e:
+        cause = e
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        where = os.path.dirname(os.path.abspath(path))
+        if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = shutil.disk_usage(where).free if os.path.isdir(where) else 0
+            why = (f"no space left on the device ({free / 2**20:.1f} MB free in {where}); free space there or "
+                   f"choose another --output-dir")
+        else:
+            why = f"{cause.strerror or cause}; make {where} writable or choose another --output-dir"
+        raise CheckpointError(f"could not write {path}: {why}{then}") from None
+
+
+def check_writable(root):
+    """Create the output directory (rank 0, before any data or model is built) and prove a file can be written
+    there; raises CheckpointError naming the path and the reason."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"--output-dir {root}: is a file, not a directory; choose another --output-dir")
+    try:
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".write-test.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"--output-dir {root}: cannot write there ({e.strerror or e}); choose a directory "
+                              f"this user can create and write") from None
 
 
 def atomic_write(path, write, binary=False, sync=False):

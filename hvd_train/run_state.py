@@ -4,11 +4,14 @@ RunState is written by AfterEpoch (and by a checkpoint when a run resumes), read
 summary.json; nothing else keeps a copy.
 """
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import hvd_utils
+from hvd_train import interrupt
 from hvd_train.checkpoint import VERSION, Checkpointer
+from hvd_train.errors import CheckpointError
 from hvd_train.metrics import improved, reached
 from hvd_train.reporting import Reporter, seconds_since_start
 from hvd_train.run_dir import RunDir
@@ -25,13 +28,36 @@ class RunState:
     history: list = field(default_factory=list)  # one record per epoch (as in metrics.jsonl)
     stopped_at: Optional[int] = None     # the epoch --stop-at ended the run at
     elastic: Optional[dict] = None       # an elastic run's resets and redone steps, for the summary
+    wall_before: float = 0.0             # seconds the run had taken up to the checkpoint this process resumed
+    resumes: list = field(default_factory=list)  # where the run was resumed: epoch, step, ranks, time
+    saved_epoch: Optional[int] = None    # the epoch of the newest checkpoint (what --resume auto continues from)
+    in_epoch: int = 0                    # the epoch being trained (once its first step is under way)
+    epoch_first_step: int = 0            # the value of `step` when it began
 
-    CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "history")
+    CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "history", "resumes")
 
     def load(self, meta):
-        """Take the counters, best metric and history a checkpoint holds."""
+        """Take the counters, best metric, history and resume points a checkpoint holds."""
         self.epoch, self.step = meta["epoch"], meta.get("step") or 0
         self.best_metric, self.best_epoch, self.history = meta["best_metric"], meta["best_epoch"], list(meta["history"])
+        self.resumes = list(meta.get("resumes") or [])
+        self.wall_before = meta.get("wall_seconds") or (self.history[-1].get("wall_seconds", 0.0) if self.history
+                                                        else 0.0)
+        self.saved_epoch = self.epoch
+
+    def wall_seconds(self):
+        """Seconds the whole run has taken: the parts before each resume, and this process since it started."""
+        return self.wall_before + seconds_since_start()
+
+    def where(self, epochs, last_checkpoint):
+        """Where training stands, for the message of an interruption (read from another thread)."""
+        if self.in_epoch > self.epoch:
+            position = f"at epoch {self.in_epoch}/{epochs}, after {self.step - self.epoch_first_step} step(s) of it"
+        else:
+            position = f"at the end of epoch {self.epoch}/{epochs}"
+        if self.saved_epoch is None:
+            return f"{position}; no checkpoint was written yet, so --resume auto starts afresh"
+        return f"{position}; --resume auto continues from {last_checkpoint} (the end of epoch {self.saved_epoch})"
 
     def checkpoint_fields(self):
         return {name: getattr(self, name) for name in self.CHECKPOINTED}
@@ -77,46 +103,71 @@ class AfterEpoch:
 
     def __call__(self, epoch, record):
         cfg, task = self.cfg, self.trainer.task
-        record["wall_seconds"] = seconds_since_start()  # time to accuracy, counted from process start
+        # Time to accuracy, counted from the start of the first process of the run (resumes included).
+        record["wall_seconds"] = self.state.wall_seconds()
         better = self.state.add(task, record)
         stop = reached(task, record[task.best_metric], cfg.run.stop_at)
         if stop:
             self.state.stopped_at = epoch
             log.info("--stop-at %g: %s reached %.4g at epoch %d; stopping", cfg.run.stop_at, task.best_metric,
                      record[task.best_metric], epoch)
-        self.out.reporter.epoch(record)
-        if epoch % cfg.checkpoint.every_epochs == 0 or epoch == cfg.optim.epochs or stop:
-            self.save(epoch, better)
+        due = epoch % cfg.checkpoint.every_epochs == 0 or epoch == cfg.optim.epochs or stop
+        payload = self.payload() if due else None  # gathers every rank's RNG states: a collective, on every rank
+        # Rank 0 writes the checkpoint, then the epoch's record: a record never describes an epoch whose
+        # checkpoint failed. Every rank learns how the writing went, so a full disk stops them all together.
+        hvd_utils.decide_on_root(lambda: self.write(epoch, record, payload, better), "epoch_outputs")
+        interrupt.check()  # a signal that came during the write
         return stop
 
-    def save(self, epoch, is_best):
+    def payload(self):
         t = self.trainer
-        rng = hvd_utils.gather_rng_states()  # a collective: every rank, every checkpoint
-        self.out.checkpointer.save({
-            "version": VERSION, "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
-            "scaler": t.scaler.state_dict() if t.scaler else None, "config": self.cfg.to_dict(),
-            "world_size": hvd_utils.world_size(), "rng": rng, **self.out.fits, **self.state.checkpoint_fields()},
-            epoch, is_best=is_best)
+        rng = hvd_utils.gather_rng_states()
+        return {"version": VERSION, "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+                "scaler": t.scaler.state_dict() if t.scaler else None, "config": self.cfg.to_dict(),
+                "world_size": hvd_utils.world_size(), "rng": rng, "wall_seconds": self.state.wall_seconds(),
+                **self.out.fits, **self.state.checkpoint_fields()}
+
+    def write(self, epoch, record, payload, is_best):
+        # A Ctrl-C or SIGTERM meanwhile takes effect once the files are complete, and then names this checkpoint.
+        with interrupt.protected():
+            if payload is not None:
+                self.out.checkpointer.save(payload, epoch, is_best=is_best)
+                self.state.saved_epoch = epoch
+            self.out.reporter.epoch(record)
 
 
-def outputs_for(cfg, info, task, is_main, resume=False):
-    """Outputs of a run of `task` on data `info`: rank 0 writes, the others' writers are off."""
+def outputs_for(cfg, info, task, is_main, state=None):
+    """Outputs of a run of `task` on data `info`: rank 0 writes, the others' writers are off. `state`: the run
+    state of a resumed run, whose records the reporter keeps (and those after its checkpoint it drops)."""
     run_dir = RunDir(cfg.run.output_dir)
     return Outputs(run_dir, Checkpointer(run_dir.checkpoints, cfg.checkpoint.keep_last, enabled=is_main),
-                   Reporter(run_dir.root, is_main, cfg.logging.tensorboard, resume=resume),
+                   Reporter(run_dir.root, is_main, cfg.logging.tensorboard,
+                            resumed_history=state.history if state is not None and state.saved_epoch else None),
                    checkpoint_fits(cfg, info, task))
 
 
-def checkpoint_fits(cfg, info, task):
-    """The fields a checkpoint must have to be loaded into this run."""
-    return {"model_name": cfg.model.name, "task": task.name, "num_classes": info.num_classes}
+def checkpoint_fits(cfg, info, task, continuing=True):
+    """The settings a checkpoint must share with this run to be loaded into it: the model's shape always; to
+    continue training also the data it was trained on and the optimizer whose state it holds."""
+    fits = {"model_name": cfg.model.name, "task": task.name, "num_classes": info.num_classes,
+            "in_channels": info.in_channels, "image_size": info.image_size}
+    if continuing:
+        fits.update(dataset=cfg.data.dataset, optimizer_name=cfg.optim.optimizer)
+    return fits
 
 
 def resume(path, trainer, state, fits):
     """Continue from checkpoint `path`: weights, optimizer and scaler state on every rank, each rank's RNG states
-    where the number of ranks is unchanged, and the run state (the learning rate follows from its epoch)."""
+    where the number of ranks is unchanged, and the run state (the learning rate follows from its epoch). A
+    checkpoint that has reached --epochs is refused: there is nothing to train, and no summary may pretend so."""
     meta = hvd_utils.load_checkpoint(path, trainer.model, fits, optimizer=trainer.optimizer)
+    if meta["epoch"] >= trainer.epochs:
+        raise CheckpointError(f"--resume {path}: nothing to train: the checkpoint is at epoch {meta['epoch']} and "
+                              f"--epochs is {trainer.epochs}; pass a larger --epochs to train further, or "
+                              f"--evaluate --resume {path} to measure it")
     if trainer.scaler is not None and meta.get("scaler"):
         trainer.scaler.load_state_dict(meta["scaler"])
     hvd_utils.restore_rng(meta)
     state.load(meta)
+    state.resumes.append({"epoch": state.epoch, "step": state.step, "world_size": hvd_utils.world_size(),
+                          "checkpoint": path, "time": time.time()})

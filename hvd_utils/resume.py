@@ -26,19 +26,21 @@ def decide_on_root(fn, name):
 
 
 def _check_fits(ckpt, path, expect):
+    """Every setting in `expect` the checkpoint records must match (older checkpoints record fewer)."""
     for key, value in expect.items():
-        if ckpt.get(key) != value:
-            raise CheckpointError(f"{path} was written for {key}={ckpt.get(key)!r}, this run has "
-                                  f"{key}={value!r}; use a matching --model/--dataset or another file")
+        if key in ckpt and ckpt[key] != value:
+            raise CheckpointError(f"{path} was written with {key}={ckpt[key]!r}, this run has {key}={value!r}: a "
+                                  f"checkpoint fits only a run with the same {key}; use the checkpoint's setting, or "
+                                  f"another file")
 
 
 def load_checkpoint(path, model, expect, optimizer=None):
     """Load `path` on rank 0 into the model (and the optimizer, when given), then give every rank those weights and
     that state: the one loader of resuming, elastic and evaluation runs alike.
 
-    `expect` maps checkpoint fields (model_name, task, num_classes) to this run's values; a mismatch is refused with
-    the field named. Returns the checkpoint's other fields (counters, history, scaler, world size, RNG states), the
-    same on every rank.
+    `expect` maps checkpoint fields (model_name, task, num_classes, dataset, ...) to this run's values; a mismatch is
+    refused with the field named. Returns the checkpoint's other fields (counters, history, scaler, world size, RNG
+    states), the same on every rank.
     """
     def load_on_root():
         ckpt = checkpoint.load(path)

@@ -162,6 +162,14 @@ def patches(cxx_standard):
          "    Eigen::VectorXd v = TunableParameter::BestValue();\n    v[index_[variable]] = value;",
          "with HOROVOD_FUSION_THRESHOLD and HOROVOD_CYCLE_TIME set, the hvd.init() of an elastic reset wrote past "
          "the end of the tuned-parameter vector and the surviving workers crashed (segmentation fault)"),
+        ("horovod/runner/mpi_run.py",
+         "        os.execve('/bin/sh', ['/bin/sh', '-c', mpirun_command], env)",
+         "        # hvd-train: exec, so horovodrun's pid becomes mpirun's and a signal sent to it reaches mpirun,\n"
+         "        # which passes it on to every rank (the shell ignored SIGINT when started in the background, and\n"
+         "        # died alone of SIGTERM, leaving mpirun and the ranks running).\n"
+         "        os.execve('/bin/sh', ['/bin/sh', '-c', 'exec ' + mpirun_command], env)",
+         "under horovodrun --mpi, kill -INT or kill -TERM of horovodrun's pid reached only a /bin/sh wrapper, and "
+         "training went on"),
     ]
 
 

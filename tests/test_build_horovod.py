@@ -53,6 +53,8 @@ def fake_sdist(root):
     write(root / "horovod/common/parameter_manager.cc",
           "    fixed_values_[variable] = value;\n    ResetBayes();\n"
           "  } else {\n    Eigen::VectorXd v = TunableParameter::BestValue();\n    v[index_[variable]] = value;\n")
+    write(root / "horovod/runner/mpi_run.py",
+          "    else:\n        os.execve('/bin/sh', ['/bin/sh', '-c', mpirun_command], env)\n")
 
 
 def test_patches_raise_the_standard_everywhere_and_let_cpu_builds_ignore_cuda_torch(tmp_path):
@@ -77,6 +79,8 @@ def test_patches_for_clusters_use_the_named_interface_and_survive_an_elastic_rei
     assert "nics = settings.nics or get_local_interfaces(settings)" in driver
     params = (tmp_path / "horovod/common/parameter_manager.cc").read_text()
     assert params.index("if (fixed_values_.find(variable) != fixed_values_.end())") < params.index("v[index_[")
+    # horovodrun --mpi becomes mpirun, so a signal sent to its pid reaches the job.
+    assert "['/bin/sh', '-c', 'exec ' + mpirun_command]" in (tmp_path / "horovod/runner/mpi_run.py").read_text()
 
 
 def test_every_patch_matches_the_real_sdist_once(tmp_path):

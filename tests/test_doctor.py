@@ -1,6 +1,7 @@
 """hvd-train doctor on namespace hosts (tests/cluster.py): a healthy cluster passes; each injected fault (sshd down,
 a wrong interface name, loopback-resolving hostnames, another package version on one host) is named with its fix."""
 import re
+import subprocess
 
 import pytest
 
@@ -66,3 +67,12 @@ def test_each_injected_fault_is_named_with_its_fix(tmp_path):
         [(status, line, fix)] = rows(out, host, "hostname")
         assert status == "WARN" and f"{host} resolves to 127.0.1.1 (loopback)" in line and "/etc/hosts" in fix
     assert "a job would fail" in out
+
+
+def test_a_hostfile_with_windows_line_endings_is_refused_before_any_host_is_contacted(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_bytes(b"node-a slots=1\r\nnode-b slots=1\r\n")
+    proc = subprocess.run([BIN / "hvd-train", "doctor", "-hostfile", hostfile], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert f"{hostfile}:1: Windows line endings (CR LF), which mpirun -hostfile rejects" in proc.stderr

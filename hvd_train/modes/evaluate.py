@@ -24,7 +24,7 @@ def run(cfg, rt):
         raise CheckpointError(f"--evaluate --resume auto: no checkpoint in {run_dir.checkpoints} to evaluate")
     task = TASKS[model_task(cfg.model.name)]
     model = build_model_for(cfg, info, rt.device)
-    meta = hvd_utils.load_checkpoint(path, model, checkpoint_fits(cfg, info, task))
+    meta = hvd_utils.load_checkpoint(path, model, checkpoint_fits(cfg, info, task, continuing=False))
     metrics = evaluate_all(model, task, val_loader, rt.device, cfg.optim.amp)
     log.info("evaluated %s (epoch %d) on %d samples: %s", path, meta["epoch"], metrics["count"],
              "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "count"))

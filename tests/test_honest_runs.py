@@ -1,0 +1,277 @@
+"""Runs that never lie: resumes that refuse what they cannot continue and record where they continued, a full disk
+that stops every rank with one message and leaves one record per epoch, interruptions (Ctrl-C, SIGTERM) that say
+where the run stopped, bad paths refused before anything is built, and Horovod's autotuner left free to tune."""
+import json
+import os
+import re
+import signal
+import subprocess
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from hvd_train import checkpoint
+from conftest import ROOT, WORKERS, job_env, launch, launch_command, read_json, wait_for
+
+pytestmark = pytest.mark.distributed
+TRAIN = ROOT / "train_hvd.py"
+QUIET = ["--logging.progress=false", "--logging.plot=false"]
+
+
+def train(launcher, np, run, *args, check=True, env=None):
+    return launch(launcher, np, TRAIN, "--output-dir", run, *QUIET, *args, check=check, env=env)
+
+
+def epochs_in(run):
+    with open(run / "metrics.jsonl") as f:
+        return [json.loads(line)["epoch"] for line in f]
+
+
+def tensorboard_steps(run, tag="val/loss"):
+    """The steps TensorBoard shows for `tag` (events hidden by a later purge_step are left out, as TensorBoard does)."""
+    acc = EventAccumulator(str(run / "tensorboard"), purge_orphaned_data=True)
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+def app_output(output):
+    """The output less horovodrun's own traceback, which it prints whenever a worker exits non-zero."""
+    return re.sub(r'Traceback \(most recent call last\):\n  File "[^"]*/horovodrun".*', "", output, flags=re.DOTALL)
+
+
+def refused(proc, *needles):
+    """The run exited 2 (horovodrun: 1, naming a worker's exit code 2) with one `train_hvd.py: error:` line holding
+    every needle, and no traceback of the app."""
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2 or (proc.returncode == 1 and "Exit code: 2" in output), output[-3000:]
+    assert "Traceback" not in app_output(output), output[-3000:]
+    lines = [line for line in output.splitlines() if "train_hvd.py: error:" in line]
+    assert len(lines) == 1 and all(n in lines[0] for n in needles), output[-3000:]
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Resumes
+
+
+def test_resuming_a_finished_run_refuses_and_writes_nothing(tmp_path):
+    train("single", 1, tmp_path, "--epochs", 2)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    proc = train("single", 1, tmp_path, "--epochs", 2, "--resume", "auto", check=False)
+    refused(proc, "nothing to train", "the checkpoint is at epoch 2 and --epochs is 2", "--evaluate --resume")
+    assert "done:" not in proc.stdout
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing rewritten
+
+
+@pytest.mark.parametrize("flag,value,setting", [
+    ("--dataset", "synthetic", "in_channels=1"),  # digits are 1-channel 8x8 images; synthetic ones 3-channel
+    ("--image-size", "16", "image_size=8"),
+    ("--optimizer", "adam", "optimizer_name='sgd'"),
+])
+def test_a_checkpoint_of_another_data_set_image_size_or_optimizer_is_refused_naming_the_setting(tmp_path, flag,
+                                                                                                value, setting):
+    train("single", 1, tmp_path, "--epochs", 1)
+    proc = train("single", 1, tmp_path, "--epochs", 3, "--resume", "auto", flag, value, check=False)
+    refused(proc, "checkpoints/last.pt was written with " + setting, "this run has")
+    assert epochs_in(tmp_path) == [1]
+
+
+def test_a_file_that_is_not_a_checkpoint_is_refused_without_torch_s_advice(tmp_path):
+    foreign = tmp_path / "foreign.pt"
+    foreign.write_bytes(b"PK\x03\x04 a zip header and nothing else")
+    proc = train("single", 1, tmp_path / "run", "--resume", foreign, check=False)
+    line = refused(proc, str(foreign), "not a checkpoint")
+    assert "weights_only" not in proc.stdout + proc.stderr and "cut short" in line
+
+
+def test_a_resumed_run_records_its_resume_points_and_whole_run_totals(tmp_path):
+    train("horovodrun-gloo", 2, tmp_path, "--epochs", 2)
+    train("horovodrun-gloo", 2, tmp_path, "--epochs", 3, "--resume", "auto")
+    train("horovodrun-gloo", 2, tmp_path, "--epochs", 5, "--resume", "auto")
+    summary = read_json(tmp_path / "summary.json")
+    assert [(r["epoch"], r["world_size"]) for r in summary["resumes"]] == [(2, 2), (3, 2)]
+    history = summary["history"]
+    assert [r["epoch"] for r in history] == epochs_in(tmp_path) == [1, 2, 3, 4, 5]
+    # Times add up over the parts: the history's clock never restarts, and the run took longer than its last part.
+    walls = [r["wall_seconds"] for r in history]
+    assert walls == sorted(walls) and summary["wall_seconds"] > summary["process_wall_seconds"] > 0
+    assert summary["wall_seconds"] >= walls[-1]
+    rate = sum(r["train_count"] for r in history) / sum(r["epoch_seconds"] for r in history)
+    assert summary["train_samples_per_sec"] == pytest.approx(rate)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A directory on a tmpfs of a size set with resize(bytes); unmounted afterwards."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+
+    def resize(size):
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(mount)], check=True)
+
+    yield mount, resize
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_stops_every_rank_with_one_message_and_resuming_keeps_one_record_per_epoch(tmp_path, small_disk):
+    # The size of one checkpoint of this model, from a run on the ordinary disk.
+    probe = tmp_path / "probe"
+    train("single", 1, probe, "--epochs", 1, "--logging.tensorboard=false")
+    size = (probe / "checkpoints" / "epoch_0001.pt").stat().st_size
+    disk, resize = small_disk
+    run = disk / "run"
+    # Room for the small files and two checkpoints, not three: epoch 3's checkpoint fails.
+    resize(2 * size + size // 2 + 256 * 1024)
+    proc = train("horovodrun-gloo", 2, run, "--epochs", 6, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in app_output(output), output[-3000:]
+    lines = [line for line in output.splitlines() if "train_hvd.py: error:" in line]
+    assert len(lines) == 1, output[-3000:]
+    assert re.search(r"could not write \S+epoch_0003\.pt: no space left on the device \([\d.]+ MB free", lines[0])
+    assert "--resume auto continues from the newest" in lines[0]
+    assert "stopping because another rank failed" not in output  # every rank heard of it and stopped with rank 0
+    assert checkpoint.load(str(run / "checkpoints" / "last.pt"))["epoch"] == 2
+    assert epochs_in(run) == [1, 2]  # no record of the epoch whose checkpoint failed
+    resize("64m")
+    train("horovodrun-gloo", 2, run, "--epochs", 6, "--resume", "auto")
+    assert epochs_in(run) == [1, 2, 3, 4, 5, 6]
+    assert tensorboard_steps(run) == [1, 2, 3, 4, 5, 6]
+
+
+def test_records_after_the_last_checkpoint_are_dropped_on_resume(tmp_path):
+    # Checkpoints every 2 epochs: epoch 3's record is written, the run is interrupted before epoch 4's checkpoint.
+    train("single", 1, tmp_path, "--epochs", 3, "--checkpoint.every_epochs", 2)
+    (tmp_path / "checkpoints" / "last.pt").unlink()
+    os.link(tmp_path / "checkpoints" / "epoch_0002.pt", tmp_path / "checkpoints" / "last.pt")
+    assert epochs_in(tmp_path) == [1, 2, 3]
+    train("single", 1, tmp_path, "--epochs", 4, "--resume", "auto")
+    assert epochs_in(tmp_path) == [1, 2, 3, 4]
+    assert tensorboard_steps(tmp_path) == [1, 2, 3, 4]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Interruptions
+
+
+def start(launcher, np, run, log, *args, script=TRAIN, script_args=()):
+    """Start a long run in its own process group, as a shell starts a job; returns the Popen."""
+    cmd = launch_command(launcher, np, [str(script), *map(str, script_args), "--output-dir", str(run), *QUIET,
+                                        "--epochs", "300", *map(str, args)])
+    return subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def finished_epochs(run):
+    return epochs_in(run) if (run / "metrics.jsonl").exists() else []
+
+
+def interrupted(proc, log, *signums):
+    """The job ended on one of the signals (horovodrun --gloo turns a Ctrl-C into SIGTERM for the ranks); returns
+    its output and the epoch its message says --resume auto continues from."""
+    try:
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = log.read_text()
+    name = "(?:" + "|".join(signal.Signals(n).name for n in signums) + ")"
+    assert proc.returncode != 0, output[-3000:]
+    assert "Traceback" not in app_output(output), output[-3000:]
+    said = re.findall(rf"train_hvd.py: interrupted by {name} at (epoch (\d+)/300, after \d+ step\(s\) of it|the end "
+                      rf"of epoch (\d+)/300); --resume auto continues from (\S+) \(the end of epoch (\d+)\)", output)
+    assert len(said) == 1, output[-3000:]
+    _, running, ended, last, saved = said[0]
+    # Mid-epoch: the checkpoint is the previous epoch's (one each epoch); at an epoch's end, that epoch's.
+    assert (int(running) == int(saved) + 1) if running else (int(ended) == int(saved)), said
+    assert last.endswith("checkpoints/last.pt")
+    return output, int(saved)
+
+
+@pytest.mark.parametrize("launcher,target,signum", [
+    ("horovodrun-gloo", "group", signal.SIGINT),   # Ctrl-C in a terminal: the whole foreground group
+    ("horovodrun-mpi", "launcher", signal.SIGINT),  # kill -INT <horovodrun's pid>, as the README says
+    ("horovodrun-mpi", "launcher", signal.SIGTERM),
+    ("mpirun", "launcher", signal.SIGTERM),
+    ("single", "launcher", signal.SIGTERM),
+])
+def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_path, launcher, target, signum):
+    run, log = tmp_path / "run", tmp_path / "log"
+    np = 1 if launcher == "single" else 2
+    with open(log, "w") as out:
+        proc = start(launcher, np, run, out)
+        wait_for(lambda: len(finished_epochs(run)) >= 2 or proc.poll() is not None, "two epochs")
+        (os.killpg if target == "group" else os.kill)(proc.pid, signum)
+        output, saved = interrupted(proc, log, signum, signal.SIGTERM)
+    assert checkpoint.load(str(run / "checkpoints" / "last.pt"))["epoch"] == saved
+    assert not (run / "summary.json").exists()
+    train(launcher, np, run, "--epochs", saved + 1, "--resume", "auto")
+    assert epochs_in(run) == list(range(1, saved + 2))
+
+
+@pytest.mark.parametrize("launcher", ["single", "horovodrun-gloo"])
+def test_sigterm_during_a_checkpoint_write_lets_it_finish(tmp_path, launcher):
+    run, log, markers = tmp_path / "run", tmp_path / "log", tmp_path / "markers"
+    markers.mkdir()
+    with open(log, "w") as out:
+        proc = start(launcher, 1 if launcher == "single" else 2, run, out,
+                     script=WORKERS / "held_checkpoint_train.py", script_args=(2, markers, "--"))
+        wait_for(lambda: (markers / "writing").exists() or proc.poll() is not None, "epoch 2's checkpoint")
+        os.kill(proc.pid, signal.SIGTERM)
+        wait_for(lambda: (markers / "writing").exists(), "the signal")  # sent; the write is still held
+        (markers / "go").touch()
+        output, saved = interrupted(proc, log, signal.SIGTERM)
+    assert saved == 2
+    assert checkpoint.load(str(run / "checkpoints" / "last.pt"))["epoch"] == 2
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bad paths, checked before data and model are built
+
+
+@pytest.mark.parametrize("output_dir,why", [("/proc/hvd-train-x", "cannot write there"),
+                                            ("{file}", "is a file, not a directory")])
+def test_an_output_dir_that_cannot_be_written_is_refused_first(tmp_path, output_dir, why):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    output_dir = output_dir.format(file=a_file)
+    # Under horovodrun: every rank stops with rank 0's message, before the data set is read.
+    proc = train("horovodrun-gloo", 2, output_dir, "--dataset", "mnist", "--data-dir", tmp_path / "absent",
+                 check=False)
+    refused(proc, f"--output-dir {output_dir}: {why}")
+    assert a_file.read_text() == "keep me"
+
+
+def test_download_into_a_data_dir_that_is_a_file_is_refused(tmp_path):
+    a_file = tmp_path / "data"
+    a_file.write_text("keep me")
+    proc = train("single", 1, tmp_path / "run", "--dataset", "mnist", "--download", "--data-dir", a_file, check=False)
+    refused(proc, f"--data-dir {a_file}: is a file, not a directory")
+    assert a_file.read_text() == "keep me" and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Autotune
+
+
+def test_horovodrun_autotune_tunes_the_fusion_threshold_and_cycle_time(tmp_path):
+    log = tmp_path / "autotune.csv"
+    cmd = launch_command("horovodrun-gloo", 2, [str(TRAIN), "--output-dir", str(tmp_path / "run"), *QUIET,
+                                                "--epochs", "2"])
+    cmd[1:1] = ["--autotune", "--autotune-log-file", str(log), "--autotune-warmup-samples", "1",
+                "--autotune-steps-per-sample", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Horovod autotune is on: it tunes the fusion threshold and the cycle time while training" in proc.stdout
+    with open(log) as f:
+        header, *rows = [line.strip().split(",") for line in f if line.strip()]
+    # One row per sample of the values Horovod tried; a value fixed in the environment would be the same in all.
+    cycle, fusion = header.index("cycle_time_ms"), header.index("tensor_fusion_threshold")
+    assert len({row[cycle] for row in rows}) > 1 and len({row[fusion] for row in rows}) > 1, rows[:5]
+    assert read_json(tmp_path / "run" / "summary.json")["autotune"] is True
