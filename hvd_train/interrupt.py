@@ -45,6 +45,7 @@ class _Guard:
         self.reported = False
         self.cond = threading.Condition()
         self.describe = None         # () -> where the run stands, on the rank that reports
+        self.report_here = False     # this rank prints the message (rank 0)
         self.installed = False
 
 
@@ -131,7 +132,7 @@ def report():
         if g.reported or g.signum is None:
             return
         g.reported = True
-    if not getattr(g, "report_here", False):
+    if not g.report_here:
         return
     where = ""
     if g.describe is not None:

@@ -163,8 +163,9 @@ def finish(cfg, rt, trainer, state, reporter):
     task, lr = trainer.task, cfg.optim.lr * trainer.schedule.lr_scale
     if rt.is_main:
         summary = build_summary(cfg, rt, task, state, lr, fingerprints)
-        path = RunDir(cfg.run.output_dir).summary
-        with reported_write(RunDir(cfg.run.output_dir).curves):
+        run_dir = RunDir(cfg.run.output_dir)
+        path = run_dir.summary
+        with reported_write(run_dir.curves):
             summary["curves_png"] = reporter.plot(state.history) if cfg.logging.plot else None
         with reported_write(path):
             write_json(path, summary)
