@@ -45,6 +45,8 @@ def main(argv=None):
     # Horovod: start, pin this rank to the GPU of its local rank (the CPU without one), set its CPU threads.
     # Training on a fixed set of ranks has a watchdog (hvd_train/watchdog.py) that names a frozen rank; Gloo's own
     # 30 s timeout must not end the job first, blaming the ranks that waited.
+    if cfg.profile.enabled:  # before hvd.init(): Horovod's timeline can then be switched on for the profiled steps
+        hvd_utils.timeline.enable_dynamic()
     watched = not (cfg.horovod.elastic or cfg.benchmark.enabled or cfg.run.evaluate) and cfg.run.freeze_timeout_s
     rt = hvd_utils.init(cpu=cfg.run.device == "cpu", fusion_threshold_mb=cfg.horovod.fusion_threshold_mb,
                         cycle_time_ms=cfg.horovod.cycle_time_ms,
@@ -95,6 +97,8 @@ def train(cfg, rt):
     try:
         fit(trainer, train_loader, val_loader, Hooks(train_sampler, AfterEpoch(cfg, trainer, state, outputs), state),
             first_epoch=state.epoch + 1)
+        if trainer.profiler is not None:
+            trainer.profiler.close()
     finally:
         watchdog.stop()
         outputs.reporter.close()

@@ -3,6 +3,7 @@
 Each mode calls only the builders it uses (evaluation builds no optimizer; elastic training its own sampler).
 """
 import os
+import shutil
 
 import torch
 
@@ -10,6 +11,8 @@ import hvd_utils
 from data import DATASETS, LoaderSpec, build_datasets, build_loaders, download_fn
 from hvd_train.engine import StepOptions, Trainer
 from hvd_train.errors import ConfigError
+from hvd_train.profiling import StepProfiler
+from hvd_train.run_dir import RunDir
 from hvd_train.schedule import LRSchedule
 from hvd_train.tasks import TASKS
 from models import MODELS, build_model, model_names, model_task, to_channels_last
@@ -34,10 +37,19 @@ def check_choices(cfg):
                           "check CUDA_VISIBLE_DEVICES and the driver, or use --device cpu")
     if cfg.optim.amp == "fp16" and not torch.cuda.is_available():
         raise ConfigError("--amp fp16 needs a GPU (no CUDA device is visible); use --amp bf16 on the CPU")
+    if cfg.model.compile and (cfg.run.device == "cpu" or not torch.cuda.is_available()) and not cpp_compiler():
+        raise ConfigError(f"--compile on the CPU needs a C++ compiler (torch.compile turns the model into C++ and "
+                          f"builds it), and {os.environ.get('CXX') or 'g++'} is not on PATH; install g++ "
+                          f"(apt-get install g++) or point CXX at one, or leave out --compile")
     if cfg.horovod.sync_bn and not torch.cuda.is_available():
         raise ConfigError("--sync-bn needs GPUs: Horovod's SyncBatchNorm works on CUDA tensors only (no CUDA "
                           "device is visible). On the CPU, leave it off: BatchNorm statistics are averaged over "
                           "the ranks after every epoch anyway")
+
+
+def cpp_compiler():
+    """The C++ compiler TorchInductor calls for CPU code (CXX, else g++), if it is on PATH."""
+    return shutil.which(os.environ.get("CXX") or "g++")
 
 
 def check_shards(num_train, world_size, batch_per_step):
@@ -66,7 +78,13 @@ def build_model_for(cfg, info, device):
             model = to_channels_last(model)
         except ValueError as e:
             raise ConfigError(f"model.channels_last (--channels-last): {cfg.model.name}: {e}; leave it off") from None
-    return model.to(device)  # keeps the weights' layout
+    model = model.to(device)  # keeps the weights' layout
+    if cfg.model.compile:
+        # Compiled in place (nn.Module.compile): the module, its parameters and its state_dict keep their plain
+        # names, so checkpoints move between compiled and eager runs, and Horovod's DistributedOptimizer hooks the
+        # same parameter tensors. Compilation happens at the first step (and again for evaluation's eval mode).
+        model.compile(mode=cfg.model.compile_mode)
+    return model
 
 
 def param_groups(model, weight_decay, decay_norm_and_bias=False):
@@ -119,7 +137,8 @@ def build_trainer(cfg, info, rt):
     return Trainer(model=model, task=TASKS[model_task(cfg.model.name)], optimizer=optimizer,
                    schedule=LRSchedule(cfg.optim, lr_scale(cfg, rt.size)), device=rt.device,
                    opts=StepOptions.from_config(cfg, rt.is_main), epochs=cfg.optim.epochs,
-                   scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None)
+                   scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None,
+                   profiler=StepProfiler(cfg, rt, RunDir(cfg.run.output_dir).profile) if cfg.profile.enabled else None)
 
 
 def loader_spec(cfg, device):

@@ -20,6 +20,8 @@ LR_SCHEDULES = ("constant", "cosine", "step", "exponential")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 AMP_MODES = ("off", "bf16", "fp16")
 DEVICES = ("auto", "cuda", "cpu")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+PROFILE_RANKS = ("0", "all")
 
 
 def _require(ok, name, value, why):
@@ -88,6 +90,13 @@ class DataConfig(_Section):
 class ModelConfig(_Section):
     name: str = opt("small_cnn", "small_cnn, vae, or any torchvision classification model (resnet18, resnet50, ...)")
     channels_last: bool = opt(False, "weights and batches in channels-last (NHWC) memory: faster --amp convs on GPUs")
+    compile: bool = opt(False, "torch.compile the model (the first steps compile; README says when it pays)")
+    compile_mode: str = opt("default", "torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune, "
+                            "max-autotune-no-cudagraphs")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _choice("model.compile_mode (--compile-mode)", self.compile_mode, COMPILE_MODES)
 
 
 @dataclass
@@ -225,6 +234,24 @@ class BenchmarkConfig(_Section):
 
 
 @dataclass
+class ProfileConfig(_Section):
+    enabled: bool = opt(False, "record a torch.profiler trace and Horovod's timeline of a few training steps into "
+                        "<output dir>/profile")
+    start: int = opt(5, "training steps left out before the profiled ones (warm-up, Horovod's first negotiation, "
+                     "torch.compile)")
+    steps: int = opt(3, "training steps profiled")
+    ranks: str = opt("0", "whose steps torch.profiler records: 0 (rank 0) or all (a trace per rank); Horovod's "
+                     "timeline is rank 0's view of every rank")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require(self.start >= 0, "profile.start (--profile-start)", self.start, "must be 0 or more steps")
+        _require(1 <= self.steps <= 1000, "profile.steps (--profile-steps)", self.steps,
+                 "must be 1 to 1000 steps (a trace of more is too large to open)")
+        _choice("profile.ranks (--profile-ranks)", self.ranks, PROFILE_RANKS)
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -234,6 +261,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self):
         _require(not self.run.evaluate or bool(self.checkpoint.resume), "run.evaluate (--evaluate)",
@@ -252,6 +280,12 @@ class Config:
         _require(not (self.benchmark.enabled and (self.run.evaluate or self.horovod.elastic)),
                  "benchmark.enabled (--benchmark)", True, "times training steps on its own: leave out --evaluate "
                  "and --elastic")
+
+        _require(self.model.compile or self.model.compile_mode == ModelConfig.compile_mode,
+                 "model.compile_mode (--compile-mode)", self.model.compile_mode,
+                 "has no effect without --compile: add --compile")
+        _require(not (self.profile.enabled and self.run.evaluate), "profile.enabled (--profile)", True,
+                 "records training steps, and --evaluate trains none: leave out one of them")
 
         if self.benchmark.enabled and self.run.output_dir == RunConfig.output_dir:
             self.run.output_dir = "runs/benchmark"  # beside a training run's default directory, not over it
@@ -272,6 +306,8 @@ ALIASES = {
     "device": "run.device",
     "model": "model.name",
     "channels-last": "model.channels_last",
+    "compile": "model.compile",
+    "compile-mode": "model.compile_mode",
     "dataset": "data.dataset",
     "data-dir": "data.data_dir",
     "download": "data.download",
@@ -298,9 +334,13 @@ ALIASES = {
     "num-warmup-batches": "benchmark.num_warmup_batches",
     "num-iters": "benchmark.num_iters",
     "num-batches-per-iter": "benchmark.num_batches_per_iter",
+    "profile": "profile.enabled",
+    "profile-start": "profile.start",
+    "profile-steps": "profile.steps",
+    "profile-ranks": "profile.ranks",
 }
 CHOICES = {"optim.optimizer": OPTIMIZERS, "optim.lr_schedule": LR_SCHEDULES, "optim.amp": AMP_MODES,
-           "run.device": DEVICES}
+           "run.device": DEVICES, "model.compile_mode": COMPILE_MODES, "profile.ranks": PROFILE_RANKS}
 
 
 def _fields():

@@ -52,6 +52,7 @@ class Trainer:
     opts: StepOptions
     epochs: int = 1
     scaler: Optional[object] = None
+    profiler: Optional[object] = None  # --profile: hvd_train.profiling.StepProfiler, told of every step
 
 
 class Hooks:
@@ -157,6 +158,8 @@ def train_one_epoch(trainer, loader, epoch, hooks):
         images, labels = images.to(t.device, non_blocking=True), labels.to(t.device, non_blocking=True)
         _add(total, train_step(t, images, labels), t.device)
         hooks.after_step(epoch)
+        if t.profiler is not None:
+            t.profiler.step()
         bar.update(1)
         if step % opts.log_every == 0 or step == len(loader):
             # The one host sync every log_every steps: all ranks learn whether any loss went non-finite. A NaN or

@@ -7,6 +7,7 @@
     <output dir>/curves.png         loss and accuracy curves
     <output dir>/tensorboard/       TensorBoard events
     <output dir>/checkpoints/       epoch_NNNN.pt, last.pt, best.pt
+    <output dir>/profile/           --profile: rank<r>.trace.json (torch.profiler), horovod_timeline.json
 
 Only rank 0 writes, and every write goes through atomic_write: a reader, or a run killed halfway, sees the old
 file or the new one, never half of one.
@@ -24,7 +25,7 @@ class RunDir:
     # What a run leaves behind; a fresh run refuses to start over these unless told to.
     RUN_FILES = ("checkpoints/last.pt", "summary.json", "metrics.jsonl")
     REPLACED_ON_OVERWRITE = ("summary.json", "metrics.jsonl", "config.json", "curves.png", "tensorboard",
-                             "checkpoints")
+                             "checkpoints", "profile")
 
     def __init__(self, root):
         self.root = root
@@ -35,6 +36,7 @@ class RunDir:
         self.curves = self.path("curves.png")
         self.tensorboard = self.path("tensorboard")
         self.checkpoints = self.path("checkpoints")
+        self.profile = self.path("profile")
 
     def path(self, name):
         return os.path.join(self.root, name)

@@ -44,11 +44,17 @@ class _AtStart(Hooks):
 
 
 def time_iterations(trainer, batch, b):
-    """Images/s of each timed iteration on this rank: b.num_warmup_batches untimed steps, then b.num_iters timed
-    runs of b.num_batches_per_iter steps through engine.train_one_epoch."""
+    """(seconds of the first step, images/s of each timed iteration) on this rank: b.num_warmup_batches steps
+    outside the timed ones (the first timed alone: it holds torch.compile's compilation), then b.num_iters timed
+    runs of b.num_batches_per_iter steps through engine.train_one_epoch. No warm-up: no first-step time (None)."""
     images, hooks = batch[0], _AtStart()
+    first_step_seconds = None
     if b.num_warmup_batches:
-        train_one_epoch(trainer, [batch] * b.num_warmup_batches, 1, hooks)
+        start = time.perf_counter()
+        train_one_epoch(trainer, [batch], 1, hooks)
+        first_step_seconds = time.perf_counter() - start
+    if b.num_warmup_batches > 1:
+        train_one_epoch(trainer, [batch] * (b.num_warmup_batches - 1), 1, hooks)
     rates = []
     for _ in range(b.num_iters):
         start = time.perf_counter()
@@ -56,7 +62,7 @@ def time_iterations(trainer, batch, b):
         if trainer.device.type == "cuda":
             torch.cuda.synchronize(trainer.device)  # the last kernels belong to this iteration's time
         rates.append(images.shape[0] * b.num_batches_per_iter / (time.perf_counter() - start))
-    return rates
+    return first_step_seconds, rates
 
 
 def summarize(rates_by_rank):
@@ -84,12 +90,15 @@ def run(cfg, rt):
     hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
     b = cfg.benchmark
     log.info("benchmark: model %s, %dx%dx%d images, batch %d per rank x %d rank(s), %d warm-up steps, %d "
-             "iterations of %d steps; device %s, %d CPU thread(s) per rank, controller %s, amp %s%s", cfg.model.name,
+             "iterations of %d steps; device %s, %d CPU thread(s) per rank, controller %s, amp %s%s%s", cfg.model.name,
              channels, info.image_size, info.image_size, cfg.optim.batch_size, rt.size, b.num_warmup_batches,
              b.num_iters, b.num_batches_per_iter, rt.device, rt.threads, rt.controller, cfg.optim.amp,
-             ", channels-last" if cfg.model.channels_last else "")
+             ", channels-last" if cfg.model.channels_last else "",
+             f", torch.compile mode {cfg.model.compile_mode}" if cfg.model.compile else "")
 
-    rates = time_iterations(trainer, synthetic_batch(cfg, info, rt.device), b)
+    first_step_seconds, rates = time_iterations(trainer, synthetic_batch(cfg, info, rt.device), b)
+    if trainer.profiler is not None:
+        trainer.profiler.close()
     rates_by_rank = hvd_utils.gather_floats(rates, name="benchmark_rates")  # a collective: every rank
     if not all(math.isfinite(r) for rs in rates_by_rank for r in rs):
         raise NonFiniteLossError("benchmark timings are not finite")
@@ -97,6 +106,9 @@ def run(cfg, rt):
     if rt.is_main:
         for i, rate in enumerate(rates_by_rank[0]):
             log.info("iter #%d: %.1f img/sec per rank (rank 0)", i, rate)
+        if first_step_seconds is not None:
+            log.info("first step: %.2f s%s", first_step_seconds, " (torch.compile compiles the model in it)"
+                     if cfg.model.compile else "")
         log.info("img/sec per rank: %.1f +-%.1f", figures["img_per_sec_per_rank"],
                  figures["img_per_sec_per_rank_ci95"])
         log.info("total img/sec on %d rank(s): %.1f +-%.1f", rt.size, figures["img_per_sec_total"],
@@ -110,7 +122,9 @@ def run(cfg, rt):
             "controller": rt.controller, "tensor_ops": rt.tensor_ops, "amp": cfg.optim.amp,
             "channels_last": is_channels_last(trainer.model),  # the weights' layout as trained, not just the setting
             "fusion_threshold_mb": rt.fusion_threshold_mb, "cycle_time_ms": rt.cycle_time_ms,
-            "fp16_allreduce": cfg.horovod.fp16_allreduce, "num_warmup_batches": b.num_warmup_batches,
+            "fp16_allreduce": cfg.horovod.fp16_allreduce,
+            "compile": cfg.model.compile_mode if cfg.model.compile else False,
+            "first_step_seconds": first_step_seconds, "num_warmup_batches": b.num_warmup_batches,
             "num_iters": b.num_iters, "num_batches_per_iter": b.num_batches_per_iter, **figures,
             "img_per_sec_by_rank": rates_by_rank, "wall_seconds": seconds_since_start(), "config": cfg.to_dict()})
     return 0

@@ -131,6 +131,8 @@ def run(cfg, rt):
 
     try:
         train(st)
+        if trainer.profiler is not None:
+            trainer.profiler.close()
     finally:
         outputs.reporter.close()
     rank, size, local_size = elastic.world()

@@ -1,0 +1,149 @@
+"""--compile and --profile, proven with real 2-rank launches: a compiled model's gradients are still averaged by
+Horovod, its checkpoints move between compiled and eager runs (elastic ones too), and a profile holds the training
+step's operators and the allreduce in both files."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import BIN, ROOT, job_env, launch, read_json
+from test_elastic import worker_on
+
+pytestmark = pytest.mark.distributed
+QUIET = ["--logging.progress", "false", "--logging.tensorboard", "false", "--logging.plot", "false"]
+
+
+def train(launcher, np, out, *flags, check=True, env=None):
+    return launch(launcher, np, ROOT / "train_hvd.py", "--output-dir", out, *QUIET, *flags, check=check, env=env)
+
+
+def test_a_compiled_step_on_2_ranks_equals_an_eager_step_on_1_rank_with_double_batch(tmp_path, worker):
+    batch = 16
+    launch("horovodrun-gloo", 2, worker("grad_step.py"), tmp_path / "compiled.pt", batch, "--compile", "--every-rank")
+    launch("single", 1, worker("grad_step.py"), tmp_path / "eager.pt", 2 * batch)
+    rank0, rank1 = torch.load(tmp_path / "compiled.pt.0"), torch.load(tmp_path / "compiled.pt.1")
+    eager = torch.load(tmp_path / "eager.pt")
+    assert set(rank0) == set(eager), "a compiled model must save the plain parameter names"
+    for name, value in eager.items():
+        # The ranks hold exactly the same weights: each applied the same averaged gradient.
+        assert torch.equal(rank0[name], rank1[name]), f"{name} differs between the ranks"
+        # Compiled kernels sum in another order than eager ones: equal within float32 rounding.
+        torch.testing.assert_close(rank0[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_compiled_run_resumes_into_an_eager_one_and_back(tmp_path):
+    out = tmp_path / "run"
+    proc = train("horovodrun-mpi", 2, out, "--compile", "--epochs", "1")
+    assert "torch.compile (mode default)" in proc.stdout
+    first = read_json(out / "summary.json")
+    assert first["compile"] == "default" and first["params_in_sync"]
+    keys = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"].keys()
+    assert not any("_orig_mod" in k for k in keys), sorted(keys)[:3]
+
+    train("horovodrun-mpi", 2, out, "--resume", "auto", "--epochs", "2")
+    eager = read_json(out / "summary.json")
+    assert eager["compile"] is False and eager["params_in_sync"]
+    train("horovodrun-mpi", 2, out, "--resume", "auto", "--epochs", "3", "--compile")
+    last = read_json(out / "summary.json")
+    assert last["compile"] == "default" and last["params_in_sync"]
+    assert [h["epoch"] for h in last["history"]] == [1, 2, 3]
+    assert [r["epoch"] for r in last["resumes"]] == [1, 2]
+    # Each part went on from the last one's weights: the loss kept falling.
+    losses = [h["val_loss"] for h in last["history"]]
+    assert losses[2] < losses[1] < losses[0], losses
+
+
+def test_a_compiled_elastic_job_survives_a_lost_worker(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    env = {**job_env(), "HVD_HOSTS_FILE": str(hosts), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+           str(ROOT / "hostfiles" / "discover_hosts.py"), sys.executable, str(ROOT / "train_hvd.py"), "--elastic",
+           "--compile", "--output-dir", str(out), "--epochs", "3", "--horovod.commit_every", "5", *QUIET]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, killed = [], None
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if killed is None and "epoch 1/3" in line:  # epoch 1 is over: the kill lands in epoch 2
+                victim = worker_on("127.0.0.1", job.pid)
+                assert victim is not None, "no worker for 127.0.0.1"
+                os.kill(victim.pid, signal.SIGKILL)
+                killed = victim.pid
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    output = "".join(lines)
+    assert killed is not None and job.returncode == 0, output[-3000:]
+    assert "workers changed: now 1" in output
+    summary = read_json(out / "summary.json")
+    assert summary["compile"] == "default" and summary["elastic"]["resets"] >= 1
+    assert [h["epoch"] for h in summary["history"]] == [1, 2, 3]
+    keys = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"].keys()
+    assert not any("_orig_mod" in k for k in keys)
+
+
+def test_compile_without_a_cpp_compiler_is_refused_before_training(tmp_path):
+    proc = train("single", 1, tmp_path / "run", "--compile", check=False, env={"CXX": "/nonexistent/c++"})
+    assert proc.returncode == 2, proc.stderr
+    assert "--compile on the CPU needs a C++ compiler" in proc.stderr and "/nonexistent/c++" in proc.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def _trace_names(path):
+    with open(path) as f:
+        trace = json.load(f)  # Chrome trace JSON: {"traceEvents": [...]}
+    return {event.get("name") for event in trace["traceEvents"]}
+
+
+def test_profile_on_every_rank_records_the_step_and_the_allreduce(tmp_path):
+    out = tmp_path / "run"
+    proc = train("horovodrun-mpi", 2, out, "--epochs", "1", "--profile", "--profile-ranks", "all",
+                 "--profile-start", "4", "--profile-steps", "2")
+    assert "profile of training steps 5-6" in proc.stdout and "ui.perfetto.dev" in proc.stdout
+    for rank in (0, 1):
+        names = _trace_names(out / "profile" / f"rank{rank}.trace.json")
+        assert {"ProfilerStep#4", "ProfilerStep#5"} <= names, sorted(n for n in names if "Step" in str(n))
+        assert "ProfilerStep#3" not in names and "ProfilerStep#6" not in names  # exactly the window asked for
+        # The step's forward and backward operators, and the wait for Horovod's averaged gradients.
+        assert {"aten::conv2d", "aten::convolution_backward", "horovod_synchronize"} <= names
+    with open(out / "profile" / "horovod_timeline.json") as f:
+        timeline = json.load(f)
+    activities = {event.get("name") for event in timeline}
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE"} <= activities, activities
+    tensors = {event["args"]["name"] for event in timeline if event.get("name") == "process_name"
+               and "name" in event.get("args", {})}
+    assert any(t.startswith("allreduce.") and t.endswith("features.0.weight") for t in tensors), tensors
+
+
+def test_profile_on_rank_0_only_and_a_window_past_the_end(tmp_path):
+    out = tmp_path / "run"
+    train("horovodrun-gloo", 2, out, "--epochs", "1", "--profile", "--profile-steps", "1")
+    assert sorted(os.listdir(out / "profile")) == ["horovod_timeline.json", "rank0.trace.json"]
+    assert "ProfilerStep#5" in _trace_names(out / "profile" / "rank0.trace.json")
+
+    # The digits' 45 steps per epoch on one process end before step 1001: the run says so and records nothing.
+    proc = train("single", 1, tmp_path / "late", "--epochs", "1", "--profile", "--profile-start", "1000")
+    assert "before the profiled ones (--profile-start 1000): nothing was recorded" in proc.stdout
+    assert not (tmp_path / "late" / "profile").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--compile-mode", "max-autotune"], "model.compile_mode (--compile-mode)='max-autotune': has no effect without"),
+    (["--compile", "--compile-mode", "fast"], "argument --compile-mode"),
+    (["--profile", "--evaluate", "--resume", "auto"], "profile.enabled (--profile)=True: records training steps"),
+    (["--profile", "--profile-ranks", "1"], "argument --profile-ranks"),
+    (["--profile", "--profile-steps", "0"], "profile.steps (--profile-steps)=0: must be 1 to 1000 steps"),
+])
+def test_bad_compile_and_profile_settings_get_one_message(tmp_path, flags, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "train_hvd.py"), "--output-dir", str(tmp_path / "run"), *flags],
+                          cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
