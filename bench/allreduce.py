@@ -2,12 +2,15 @@
 
 Two measurements, each printed as JSON by rank 0:
   sweep  one float32 tensor of each size from 4 KB to 64 MB: time per allreduce, algbw and busbw (nccl-tests);
+  copy   no communication: one thread copying a float32 tensor of each size into another (torch's copy_), the
+         machine's memory bandwidth that a 2-rank allreduce on one host is bounded by; run without a launcher;
   grads  one training step's gradients (the parameter shapes of --model), sent the way Horovod's
          DistributedOptimizer sends them: all queued at once, fused by Horovod within its fusion threshold and cycle
          time (set with HOROVOD_FUSION_THRESHOLD and HOROVOD_CYCLE_TIME); --fp16 compresses them first.
 
     horovodrun -np 2 -H localhost:2 --mpi python bench/allreduce.py --backend horovod --out hvd_mpi.json
     torchrun --standalone --nproc-per-node 2 bench/allreduce.py --backend torch --out torch_gloo.json
+    python bench/allreduce.py --what copy --out copy.json
 """
 import argparse
 import time
@@ -78,10 +81,27 @@ def time_op(comm, tensors, min_seconds, min_iters, fp16=False):
     return max(v[0] for v in comm.gather((time.perf_counter() - start) / iters))
 
 
+def copy_sweep(sizes, min_seconds, min_iters):
+    """Bytes/s of one thread's tensor copy at each size: the best of several timed batches, as a ceiling."""
+    rows = []
+    for nbytes in sizes:
+        src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        dst.copy_(src)  # faults the pages in: an allreduce's buffers are not fresh either
+        best = float("inf")
+        deadline = time.perf_counter() + min_seconds
+        while time.perf_counter() < deadline or best == float("inf"):
+            start = time.perf_counter()
+            for _ in range(min_iters):
+                dst.copy_(src)
+            best = min(best, (time.perf_counter() - start) / min_iters)
+        rows.append({"bytes": nbytes, "seconds": best, "rate": nbytes / best})
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", choices=("horovod", "torch"), required=True)
-    p.add_argument("--what", choices=("sweep", "grads", "both"), default="both")
+    p.add_argument("--backend", choices=("horovod", "torch"), help="sweep, grads: who allreduces")
+    p.add_argument("--what", choices=("sweep", "grads", "both", "copy"), default="both")
     p.add_argument("--model", default="resnet18", help="grads: whose parameter shapes to send")
     p.add_argument("--fp16", action="store_true", help="grads: compress to fp16 (Horovod only)")
     p.add_argument("--max-bytes", type=int, default=SIZES[-1], help="sweep: largest size")
@@ -90,11 +110,17 @@ def main():
     p.add_argument("--out", default="")
     args = p.parse_args()
     torch.set_num_threads(1)
+    sizes = [s for s in SIZES if s <= args.max_bytes]
+    if args.what == "copy":
+        write_result(args.out, {"copy": copy_sweep(sizes, args.min_seconds, args.min_iters)})
+        return
+    if args.backend is None:
+        p.error("--backend is required unless --what copy")
     comm = Horovod() if args.backend == "horovod" else TorchGloo()
     result = {"backend": comm.label, "world_size": comm.size}
     if args.what in ("sweep", "both"):
         result["sweep"] = []
-        for nbytes in [s for s in SIZES if s <= args.max_bytes]:
+        for nbytes in sizes:
             seconds = time_op(comm, [torch.ones(nbytes // 4)], args.min_seconds, args.min_iters)
             result["sweep"].append({"bytes": nbytes, "seconds": seconds, "algbw": nbytes / seconds,
                                     "busbw": busbw(nbytes, seconds, comm.size)})

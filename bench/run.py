@@ -4,9 +4,10 @@ Every figure is a ratio of two things measured in this run on this machine, the 
 --repeats repeats, and reported as min / median / max; figures from different runs are never compared. Writes
 bench/results/<date>.json and .md and prints the table.
 
-    python bench/run.py                  # everything (about 25 minutes on 2 cores)
+    python bench/run.py                  # everything (about 35 minutes on 2 cores)
     python bench/run.py --quick          # the same pipeline on tiny settings (a minute or two; used by the tests)
     python bench/run.py --sections overhead,peer
+    python bench/run.py --sections peer,comm,allreduce   # the communication figures (about 15 minutes)
 """
 import argparse
 import datetime
@@ -20,13 +21,17 @@ import tempfile
 import time
 
 from common import ROOT, spread
+from hvd_utils.runtime import MALLOC_VARS
 from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row compares against what it ships
 
 PY = sys.executable
 BIN = os.path.dirname(PY)
-SECTIONS = ("overhead", "scaling", "peer", "allreduce", "tuning", "accuracy")
+SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "tuning", "accuracy")
 APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
 APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
+# Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
+# restates glibc's own default trim threshold (128 KB), so the process runs as it would without the app's setting.
+GLIBC_MALLOC = {"MALLOC_TRIM_THRESHOLD_": 128 << 10}
 
 
 def job_env(**extra):
@@ -36,7 +41,8 @@ def job_env(**extra):
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")  # OpenMPI refuses root (containers, CI) unless told
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    for key in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "OMP_NUM_THREADS", "OMPI_MCA_mpi_yield_when_idle"):
+    for key in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "OMP_NUM_THREADS", "OMPI_MCA_mpi_yield_when_idle",
+                *MALLOC_VARS):
         env.pop(key, None)  # each measurement says what it wants
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -166,6 +172,33 @@ def section_peer(b):
                       "app (horovodrun, MPI) / torchrun DDP (Gloo), 1 thread per rank", ">= 1.0", xs, ys)]
 
 
+def section_comm(b):
+    """A communication-bound model: VGG-11 at 32 px, 8 images a rank, 491 MB of gradients for 0.9 s of compute, so
+    the allreduce is a third of a step or more. The app against torchrun + DDP (Gloo) as in the peer section; then
+    the app with its malloc setting (hvd_utils.runtime.keep_freed_memory) against glibc's default."""
+    model, size, batch = ("small_cnn", 28, 16) if b.args.quick else ("vgg11", 32, 8)
+    steps, env = b.slow_steps if b.args.quick else (1, 3, 3), job_env()
+    name = f"comm-bound, {model} {size}px batch {batch}/rank, 2 ranks"
+    app = lambda e: b.app(horovodrun(2, "mpi"), model, size, batch, steps, e)["img_per_sec_total"]  # noqa: E731
+    xs, ys = b.alternate(
+        lambda: app(env),
+        lambda: b.peer(torchrun(2), "bench/ddp_peer.py", model, size, batch, steps, env)["img_per_sec_total"])
+    rows = [ratio_row(name, "app (horovodrun, MPI) / torchrun DDP (Gloo), 1 thread per rank", ">= 1.20", xs, ys)]
+    xs, ys = b.alternate(lambda: app(env), lambda: app(job_env(**GLIBC_MALLOC)))
+    rows.append(ratio_row(name, "app: malloc keeps freed memory (default) / glibc's malloc", ">= 1 keeps it", xs, ys))
+    return rows
+
+
+def copy_rates(b):
+    """One thread's memory copy rate by size (bytes/s): the ceiling a 2-rank allreduce on one host is held to."""
+    out = b.out("copy") + ".json"
+    max_bytes = 64 << 10 if b.args.quick else 64 << 20
+    run([PY, "bench/allreduce.py", "--what", "copy", "--out", out, "--max-bytes", str(max_bytes),
+         "--min-seconds", "0.05" if b.args.quick else "0.3"], job_env())
+    with open(out) as f:
+        return {r["bytes"]: r["rate"] for r in json.load(f)["copy"]}
+
+
 def allreduce(b, launcher, backend, what, env, extra=()):
     out = b.out(f"allreduce_{backend}") + ".json"
     max_bytes = 64 << 10 if b.args.quick else 64 << 20
@@ -179,16 +212,22 @@ def section_allreduce(b):
     """Bus bandwidth by size for Horovod over MPI and Gloo (at Horovod's defaults and at the app's) and
     torch.distributed Gloo; then one ResNet-18 step's gradients with the fusion threshold and cycle time varied."""
     hvd_default = {"HOROVOD_FUSION_THRESHOLD": 128 << 20, "HOROVOD_CYCLE_TIME": 1}
+    copies = [copy_rates(b)]
     sweeps = []
     for controller in ("mpi", "gloo"):
         app_cycle = APP_CYCLE_MS[controller]
         app_default = {"HOROVOD_FUSION_THRESHOLD": APP_FUSION_MB << 20, "HOROVOD_CYCLE_TIME": f"{app_cycle:g}"}
-        for label, tuning in (("horovod defaults: 128 MB, 1 ms", hvd_default),
-                              (f"app defaults: {APP_FUSION_MB} MB, {app_cycle:g} ms", app_default)):
+        settings = [("horovod defaults: 128 MB, 1 ms", hvd_default),
+                    (f"app defaults: {APP_FUSION_MB} MB, {app_cycle:g} ms", app_default)]
+        if controller == "mpi":  # the app's malloc setting applies to MPI launches: the same without it
+            settings.append(("app defaults, glibc's malloc", {**app_default, **GLIBC_MALLOC}))
+        for label, tuning in settings:
             r = allreduce(b, horovodrun(2, controller), "horovod", "sweep", job_env(**tuning))
             sweeps.append({"backend": f"horovod {controller}", "settings": label, "sweep": r["sweep"]})
+        copies.append(copy_rates(b))  # again between the sweeps: the median rides out a busy moment
     r = allreduce(b, torchrun(2), "torch", "sweep", job_env())
     sweeps.append({"backend": "torch.distributed gloo", "settings": "-", "sweep": r["sweep"]})
+    copy = [{"bytes": n, "rate": spread([c[n] for c in copies])["median"]} for n in sorted(copies[0])]
 
     grid = []
     fusions = (8, 128) if b.args.quick else (0, 8, 128)
@@ -205,7 +244,7 @@ def section_allreduce(b):
         grid.append({"backend": f"horovod {controller}", "fusion_mb": APP_FUSION_MB, "cycle_ms": app_cycle, **g})
     g = allreduce(b, torchrun(2), "torch", "grads", job_env())["grads"]
     grid.append({"backend": "torch.distributed gloo", "fusion_mb": None, "cycle_ms": None, **g})
-    return {"sweeps": sweeps, "grads": grid}
+    return {"copy": copy, "sweeps": sweeps, "grads": grid}
 
 
 def section_tuning(b):
@@ -290,12 +329,19 @@ def markdown(results):
     comm = results.get("allreduce")
     if comm:
         sizes = [p["bytes"] for p in comm["sweeps"][0]["sweep"]]
-        lines += ["", "Allreduce bus bandwidth, GB/s (busbw = algbw x 2(n-1)/n, n = 2; one tensor at a time):", "",
+        copy = {c["bytes"]: c["rate"] for c in comm.get("copy", [])}
+        ref = copy.get(sizes[-1])  # a copy of the largest buffer, out of cache: the issue's "copy rate"
+        lines += ["", "Allreduce bus bandwidth, GB/s (busbw = algbw x 2(n-1)/n, n = 2; one tensor at a time), and in "
+                  f"brackets as % of one thread's copy rate at {_size(sizes[-1])} "
+                  f"({fmt(ref and ref / 1e9)} GB/s, median of the copy runs between the sweeps):", "",
                   "| backend | settings | " + " | ".join(_size(s) for s in sizes) + " |",
                   "| --- | --- | " + " | ".join("---" for _ in sizes) + " |"]
+        if copy:
+            lines.append("| memory copy, 1 thread (no communication) | torch copy_ | " +
+                         " | ".join(f"{copy[n] / 1e9:.2f}" for n in sizes) + " |")
         for s in comm["sweeps"]:
             lines.append(f"| {s['backend']} | {s['settings']} | " +
-                         " | ".join(f"{p['busbw'] / 1e9:.2f}" for p in s["sweep"]) + " |")
+                         " | ".join(_busbw(p["busbw"], ref) for p in s["sweep"]) + " |")
         g0 = comm["grads"][0]
         lines += ["", f"One {g0['model']} step's gradients ({g0['tensors']} tensors, {g0['bytes'] / 2**20:.1f} MB), "
                   "time per step's allreduce, queued at once:", "",
@@ -307,6 +353,10 @@ def markdown(results):
             lines.append(f"| {g['backend']} | {fusion} | {cycle} | {'yes' if g['fp16'] else 'no'} | "
                          f"{g['seconds'] * 1e3:.1f} | {g['busbw'] / 1e9:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _busbw(rate, ref):
+    return f"{rate / 1e9:.2f}" + (f" ({100 * rate / ref:.0f}%)" if ref and rate >= 1e8 else "")
 
 
 def _size(nbytes):
