@@ -26,7 +26,7 @@ from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row
 
 PY = sys.executable
 BIN = os.path.dirname(PY)
-SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "tuning", "accuracy")
+SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "tuning", "compile", "accuracy")
 APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
 APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
 # Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
@@ -279,6 +279,53 @@ def section_tuning(b):
             lambda: b.app(horovodrun(2, "gloo"), model, size, batch, b.slow_steps, env)["img_per_sec_total"])
         rows.append(ratio_row(f"fp16 allreduce, {model} {size}px batch {batch}/rank, 2 ranks",
                               "--gloo: --fp16-allreduce / fp32", "> 1 would turn it on", xs, ys))
+    return rows
+
+
+def section_compile(b):
+    """--compile against eager on one process (2 threads): steady-state images/s, and the first step's extra time
+    (the compilation), with an empty TorchInductor cache (a first run) and with the cache the previous run left (a
+    rerun); then a real digits run, 2 ranks, from the launch of horovodrun to its exit."""
+    rows = []
+    cases = [("small_cnn", 28, 32, b.fast_steps), ("resnet18", 32, 16, b.slow_steps)]
+    for model, size, batch, steps in (cases[:1] if b.args.quick else cases):
+        cold, warm, eager = [], [], []
+        for i in range(b.args.repeats):
+            cache = tempfile.mkdtemp(dir=b.workdir, prefix="inductor_")
+            env = job_env(TORCHINDUCTOR_CACHE_DIR=cache)
+            compiled = lambda: b.app([PY], model, size, batch, steps, env, ["--compile"])  # noqa: E731
+            plain = lambda: b.app([PY], model, size, batch, steps, env)  # noqa: E731
+            if i % 2 == 0:
+                cold.append(compiled())
+                warm.append(compiled())
+                eager.append(plain())
+            else:
+                eager.append(plain())
+                cold.append(compiled())
+                warm.append(compiled())
+        xs, ys = [r["img_per_sec_total"] for r in cold], [r["img_per_sec_total"] for r in eager]
+        rows.append(ratio_row(f"compile, {model} {size}px batch {batch}, 1 rank",
+                              "steady state: --compile / eager, 2 threads", "> 1 pays", xs, ys))
+        for label, runs in (("empty cache (first run)", cold), ("cached (rerun)", warm)):
+            rows.append(ratio_row(f"compile time, {model} {size}px batch {batch}", f"seconds: first step with "
+                                  f"--compile, {label}, minus the eager first step", "-",
+                                  [r["first_step_seconds"] for r in runs],
+                                  [r["first_step_seconds"] for r in eager], unit="s", fn=lambda x, y: x - y))
+
+    def digits(extra):
+        def once():
+            out = b.out("digits")
+            env = job_env(TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=b.workdir, prefix="inductor_"))
+            start = time.time()
+            run(horovodrun(2, "mpi") + ["train_hvd.py", "--epochs", "1" if b.args.quick else "5", "--output-dir",
+                                        out, "--logging.progress", "false", "--logging.plot", "false", *extra], env)
+            return time.time() - start
+        return once
+
+    xs, ys = b.alternate(digits([]), digits(["--compile"]))
+    rows.append(ratio_row(f"compile, digits small_cnn, {1 if b.args.quick else 5} epochs, 2 ranks",
+                          "seconds from launch to exit: eager / --compile (empty cache)", "> 1 pays", xs, ys,
+                          unit="s"))
     return rows
 
 

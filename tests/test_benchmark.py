@@ -171,6 +171,21 @@ def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path
     assert "| overhead, small_cnn" in proc.stdout and "| peer, small_cnn" in proc.stdout
 
 
+@pytest.mark.distributed
+def test_bench_comm_and_compile_sections_write_their_rows(tmp_path):
+    cmd = [sys.executable, "bench/run.py", "--quick", "--repeats", "1", "--sections", "comm,compile",
+           "--results-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = read_json(next(tmp_path.glob("*.json")))
+    rows = {(r["figure"], r["compared"]): r for r in result["rows"]}
+    kinds = sorted({figure.split(",")[0] for figure, _ in rows})
+    assert kinds == ["comm-bound", "compile", "compile time"], kinds
+    for (figure, compared), row in rows.items():
+        assert row["ratio"]["n"] == 1 and row["a"]["median"] > 0 and row["b"]["median"] > 0, (figure, compared)
+    assert sum("empty cache" in c for _, c in rows) == 2 and sum("cached (rerun)" in c for _, c in rows) == 1
+
+
 def test_bench_refuses_unknown_sections():
     proc = subprocess.run([sys.executable, "bench/run.py", "--sections", "overhead,speed"], cwd=ROOT,
                           env=job_env(), capture_output=True, text=True, timeout=60)
