@@ -8,6 +8,7 @@ Horovod's timeline at the same steps, and rank 0 writes it. Both files are Chrom
 """
 import logging
 import os
+import warnings
 
 import torch
 
@@ -21,7 +22,7 @@ class StepProfiler:
 
     def __init__(self, cfg, rt, directory):
         self.start, self.steps, self.directory = cfg.profile.start, cfg.profile.steps, directory
-        self.count, self.rank, self.is_main = 0, rt.rank, rt.is_main
+        self.count, self.is_main = 0, rt.is_main
         self.all_ranks = cfg.profile.ranks == "all"
         self.trace = os.path.join(directory, f"rank{rt.rank}.trace.json") if self.all_ranks or rt.is_main else None
         # One process runs no Horovod collective (the app skips Horovod at size 1): no timeline to record.
@@ -37,11 +38,15 @@ class StepProfiler:
                 # Kineto (the profiler's backend in CUDA builds of torch) otherwise prints a line at every start
                 # and stop, and an error for the GPU it looks for and a CPU run does not have.
                 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-            # One warm-up step before the window where there is one (torch.profiler's advice), none otherwise.
+            # One warm-up step before the window where there is one (torch.profiler's advice), none otherwise; one
+            # window only (repeat=1), or the profiler would start over and trace the rest of training.
             warmup = 1 if self.start > 0 else 0
-            self.torch_profiler = torch.profiler.profile(
-                activities=activities, on_trace_ready=self._export,
-                schedule=torch.profiler.schedule(wait=self.start - warmup, warmup=warmup, active=self.steps))
+            with warnings.catch_warnings():  # --profile-start 0 asks for no warm-up: torch's warning says it again
+                warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+                schedule = torch.profiler.schedule(wait=self.start - warmup, warmup=warmup, active=self.steps,
+                                                   repeat=1)
+            self.torch_profiler = torch.profiler.profile(activities=activities, schedule=schedule,
+                                                         on_trace_ready=self._export)
             self.torch_profiler.start()
         if self.start == 0:
             self._timeline(True)
