@@ -13,7 +13,9 @@ Images/s on synthetic data, like Horovod's pytorch_synthetic_benchmark.py: `--be
 Continue a run: `--resume auto`; evaluate a checkpoint: `--evaluate --resume runs/x/checkpoints/best.pt`.
 All settings: `python train_hvd.py --help`. Rank 0 prints and writes everything in --output-dir.
 """
+import faulthandler
 import logging
+import signal
 import sys
 import traceback
 
@@ -40,6 +42,8 @@ def setup_logging(is_main):
 
 
 def main(argv=None):
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr: where a rank that seems stuck is waiting.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = parse_config(argv)
     check_choices(cfg)
     # Horovod: start, pin this rank to the GPU of its local rank (the CPU without one), set its CPU threads.

@@ -130,12 +130,14 @@ class Cluster:
                               timeout=timeout)
 
     def kill_all_in(self, ns):
+        """SIGKILL every process in the namespace; returns the pids that were still there."""
         pids = sh("ip", "netns", "pids", ns, check=False).stdout.split()
         for pid in pids:
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+        return pids
 
     def stop_sshd(self, host):
         daemon = self.daemons.pop(host.name)
@@ -143,9 +145,17 @@ class Cluster:
         daemon.wait()
 
     def kill_host(self, host):
-        """The host dies: every process on it is killed and its link is cut."""
+        """The host dies: every process on it is killed and its link is cut.
+
+        The link is cut only once the killed processes are gone. SIGKILL takes effect asynchronously, and a process
+        still exiting when the link went down closed its connections into the void: horovodrun's ssh session to
+        the host then never ended, so Horovod's elastic driver never learned that the worker was gone, and the
+        survivors waited in their next rendezvous for good (caught with py-spy in a hung run: the survivor in
+        hvd.init(), the ssh to the dead host still connected). A real host that vanishes without closing its
+        connections needs ssh keep-alives for the same reason (README, Elastic training)."""
         self.stop_sshd(host)
-        self.kill_all_in(host.ns)
+        wait_for(lambda: not self.kill_all_in(host.ns), f"the processes on {host.name} to exit after SIGKILL",
+                 seconds=60)
         sh("ip", "netns", "exec", self.switch, "ip", "link", "set", host.veth, "down")
 
     def horovodrun_ssh(self):

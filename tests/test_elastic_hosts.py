@@ -1,10 +1,12 @@
 """Elastic training across hosts (tests/cluster.py: network namespaces with their own hostnames and sshd): a host
 that dies mid-epoch, a host that joins a running job, and the loss of the host that holds rank 0. Each job ends
 with exit 0, redoes at most one commit interval and reaches the accuracy bar."""
+import signal
 import subprocess
 import sys
 import threading
 
+import psutil
 import pytest
 
 from cluster import IFACE, Cluster
@@ -27,11 +29,19 @@ def elastic_job(cluster, hosts_file, out, np, script=ROOT / "train_hvd.py", scri
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def follow(job, on_line):
+def follow(job, on_line, out):
     """Read the job's output to its end, calling on_line(line) for each; returns the whole output. A job still
-    running after 480 s (a hang, not slowness: these jobs take a minute or two) is killed, so that its output is
-    there to read in the failure rather than lost to pytest's own timeout."""
-    lines, stopper = [], threading.Timer(480, job.kill)
+    running after 420 s (a hang, not slowness: these jobs take a minute or two) has its workers print their Python
+    stacks into the output (train_hvd.py's SIGUSR1; `out` is the job's --output-dir, which names its workers) and
+    is killed 5 s later, so that the failure shows where it hung instead of being lost to pytest's own timeout."""
+    lines = []
+
+    def hung():
+        for proc in workers_of(out):
+            proc.send_signal(signal.SIGUSR1)
+        threading.Timer(5, job.kill).start()
+
+    stopper = threading.Timer(420, hung)
     stopper.start()
     try:
         for line in job.stdout:
@@ -45,8 +55,18 @@ def follow(job, on_line):
     return "".join(lines)
 
 
+def workers_of(out):
+    """The training processes of the job writing to `out`, on every host (the hosts share this machine's pids)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "train_hvd.py" in cmdline and str(out) in cmdline and "horovodrun" not in cmdline:
+            found.append(proc)
+    return found
+
+
 def check_finished(job, output, out, world_size):
-    assert job.returncode == 0, output[-4000:]
+    assert job.returncode == 0, output[-12000:]
     summary = read_json(out / "summary.json")
     assert summary["world_size"] == world_size and summary["params_in_sync"]
     assert [h["epoch"] for h in summary["history"]] == list(range(1, EPOCHS + 1))
@@ -84,7 +104,7 @@ def test_a_host_that_dies_mid_epoch_leaves_the_other_to_finish(two_loopback_host
     hosts.write_text(f"{a.name}:1\n{b.name}:1\n")
     killed = []
     job = elastic_job(cluster, hosts, out, np=2)
-    output = follow(job, kill_after_epoch_1(cluster, b, killed))
+    output = follow(job, kill_after_epoch_1(cluster, b, killed), out)
     assert killed, output[-3000:]
     assert "workers changed: now 1" in output
     summary = check_finished(job, output, out, world_size=1)
@@ -99,7 +119,7 @@ def test_the_loss_of_the_host_of_rank_0_leaves_a_new_rank_0_writing(three_hosts,
     hosts.write_text(f"{b.name}:1\n{c.name}:1\n")
     killed = []
     job = elastic_job(cluster, hosts, out, np=2)
-    output = follow(job, kill_after_epoch_1(cluster, b, killed))
+    output = follow(job, kill_after_epoch_1(cluster, b, killed), out)
     assert killed, output[-3000:]
     check_finished(job, output, out, world_size=1)
     # The new rank 0 wrote every epoch's checkpoint after the loss, and the summary.
@@ -134,7 +154,7 @@ def test_a_host_that_joins_grows_the_job_and_the_rate_and_shards_follow(three_ho
     a, b, _ = cluster.hosts
     growth = Growth(tmp_path / "hosts.txt", a, b)
     job = growth.job(cluster, out, extra=("--lr-schedule", "constant"))
-    output = follow(job, growth.on_line)
+    output = follow(job, growth.on_line, out)
     assert growth.events == ["added", "grown"], output[-3000:]
     summary = check_finished(job, output, out, world_size=2)
     history = summary["history"]
@@ -158,7 +178,7 @@ def test_a_worker_that_joined_writes_the_whole_run_when_the_first_host_dies(thre
             growth.events.append("killed")
 
     job = growth.job(cluster, out)
-    output = follow(job, on_line)
+    output = follow(job, on_line, out)
     assert growth.events == ["added", "grown", "killed"], output[-3000:]
     summary = check_finished(job, output, out, world_size=1)
     assert summary["elastic"]["resets"] >= 2
