@@ -46,11 +46,11 @@ def main(argv=None):
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = parse_config(argv)
     check_choices(cfg)
+    if cfg.profile.enabled:  # before hvd.init(): Horovod's timeline can then be switched on for the profiled steps
+        hvd_utils.timeline.enable_dynamic()
     # Horovod: start, pin this rank to the GPU of its local rank (the CPU without one), set its CPU threads.
     # Training on a fixed set of ranks has a watchdog (hvd_train/watchdog.py) that names a frozen rank; Gloo's own
     # 30 s timeout must not end the job first, blaming the ranks that waited.
-    if cfg.profile.enabled:  # before hvd.init(): Horovod's timeline can then be switched on for the profiled steps
-        hvd_utils.timeline.enable_dynamic()
     watched = not (cfg.horovod.elastic or cfg.benchmark.enabled or cfg.run.evaluate) and cfg.run.freeze_timeout_s
     rt = hvd_utils.init(cpu=cfg.run.device == "cpu", fusion_threshold_mb=cfg.horovod.fusion_threshold_mb,
                         cycle_time_ms=cfg.horovod.cycle_time_ms,

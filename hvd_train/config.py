@@ -98,6 +98,11 @@ class ModelConfig(_Section):
         super().__post_init__()
         _choice("model.compile_mode (--compile-mode)", self.compile_mode, COMPILE_MODES)
 
+    @property
+    def compiled_as(self):
+        """What summaries record: the torch.compile mode, or False for an eager model."""
+        return self.compile_mode if self.compile else False
+
 
 @dataclass
 class OptimConfig(_Section):

@@ -27,8 +27,7 @@ class StepProfiler:
         self.trace = os.path.join(directory, f"rank{rt.rank}.trace.json") if self.all_ranks or rt.is_main else None
         # One process runs no Horovod collective (the app skips Horovod at size 1): no timeline to record.
         self.timeline = os.path.join(directory, "horovod_timeline.json") if rt.size > 1 else None
-        own = os.environ.get("HOROVOD_TIMELINE", "")
-        self.users_timeline = own if own not in ("", "DYNAMIC") else None
+        self.users_timeline = hvd_utils.timeline.users_file()
         self.torch_profiler = None
         if self.trace is not None:
             activities = [torch.profiler.ProfilerActivity.CPU]

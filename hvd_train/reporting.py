@@ -108,7 +108,7 @@ def build_summary(cfg, rt, task, state, lr, fingerprints):
         "config_name": cfg.run.name or "default", "world_size": rt.size, "local_size": rt.local_size,
         "device": str(rt.device), "controller": rt.controller, "tensor_ops": rt.tensor_ops,
         "fusion_threshold_mb": rt.fusion_threshold_mb, "cycle_time_ms": rt.cycle_time_ms, "autotune": rt.autotune,
-        "compile": cfg.model.compile_mode if cfg.model.compile else False,
+        "compile": cfg.model.compiled_as,
         "threads_per_rank": rt.threads, "dataset": cfg.data.dataset, "model": cfg.model.name, "task": task.name,
         "epochs": cfg.optim.epochs, "batch_size_per_rank": cfg.optim.batch_size,
         "global_batch_size": cfg.optim.batch_size * rt.size * cfg.horovod.batches_per_allreduce,

@@ -10,14 +10,17 @@ import os
 import horovod.torch as hvd
 
 
-def enable_dynamic():
-    """Before hvd.init(): let the timeline be started later. Returns the user's own timeline file, if they set one
-    (then the app records nothing of its own: Horovod is already writing the whole run there)."""
+def users_file():
+    """The timeline file the user set (HOROVOD_TIMELINE, horovodrun --timeline-filename), else None: Horovod then
+    writes the whole run there, and the app records nothing of its own."""
     own = os.environ.get("HOROVOD_TIMELINE", "")
-    if own and own != "DYNAMIC":
-        return own
-    os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"
-    return None
+    return own if own not in ("", "DYNAMIC") else None
+
+
+def enable_dynamic():
+    """Before hvd.init(): let the timeline be started later, unless the user set a file of their own."""
+    if users_file() is None:
+        os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"
 
 
 def start(path):

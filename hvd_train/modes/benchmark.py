@@ -123,7 +123,7 @@ def run(cfg, rt):
             "channels_last": is_channels_last(trainer.model),  # the weights' layout as trained, not just the setting
             "fusion_threshold_mb": rt.fusion_threshold_mb, "cycle_time_ms": rt.cycle_time_ms,
             "fp16_allreduce": cfg.horovod.fp16_allreduce,
-            "compile": cfg.model.compile_mode if cfg.model.compile else False,
+            "compile": cfg.model.compiled_as,
             "first_step_seconds": first_step_seconds, "num_warmup_batches": b.num_warmup_batches,
             "num_iters": b.num_iters, "num_batches_per_iter": b.num_batches_per_iter, **figures,
             "img_per_sec_by_rank": rates_by_rank, "wall_seconds": seconds_since_start(), "config": cfg.to_dict()})
