@@ -6,6 +6,8 @@ NP ?= 2
 DEMO_DIR ?= runs/demo
 # The setup stamp is rebuilt when anything the installer reads changes.
 READY := $(VENV)/.hvd-train-ready
+# The programs the test suite starts besides the app (SLURM, munge): installed once, for make test only.
+TEST_TOOLS := $(VENV)/.hvd-train-test-tools
 
 .PHONY: setup demo test test-images bench lint clean help
 
@@ -28,8 +30,16 @@ demo: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/horovodrun -np $(NP) -H localhost:$(NP) python train_hvd.py --output-dir $(DEMO_DIR) --overwrite
 	@$(PY) scripts/show_summary.py $(DEMO_DIR)/summary.json
 
-test: setup lint
-	$(PY) -m pytest
+$(TEST_TOOLS): $(READY)
+	bash scripts/install.sh --test-tools
+	@touch $@
+
+# Two workers: a sleep-bound test (a freeze timeout, SLURM's requeue, an elastic reset) leaves the cores to the other
+# worker's CPU-bound one. Tests that share a cluster or a build stay on one worker (xdist_group in the files).
+TEST_WORKERS ?= 2
+
+test: setup lint $(TEST_TOOLS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
 test-images: setup
 	$(PY) -m pytest -m images -s tests/test_images.py

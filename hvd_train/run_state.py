@@ -31,6 +31,7 @@ class RunState:
     wall_before: float = 0.0             # seconds the run had taken up to the checkpoint this process resumed
     resumes: list = field(default_factory=list)  # where the run was resumed: epoch, step, ranks, time
     saved_epoch: Optional[int] = None    # the epoch of the newest checkpoint (what --resume auto continues from)
+    closed_epoch: int = 0                # the last epoch whose record (and checkpoint, where due) is written
     in_epoch: int = 0                    # the epoch being trained (once its first step is under way)
     epoch_first_step: int = 0            # the value of `step` when it began
 
@@ -43,7 +44,7 @@ class RunState:
         self.resumes = list(meta.get("resumes") or [])
         self.wall_before = meta.get("wall_seconds") or (self.history[-1].get("wall_seconds", 0.0) if self.history
                                                         else 0.0)
-        self.saved_epoch = self.epoch
+        self.saved_epoch = self.closed_epoch = self.epoch
 
     def wall_seconds(self):
         """Seconds the whole run has taken: the parts before each resume, and this process since it started."""
@@ -51,10 +52,12 @@ class RunState:
 
     def where(self, epochs, last_checkpoint):
         """Where training stands, for the message of an interruption (read from another thread)."""
-        if self.in_epoch > self.epoch:
+        # An epoch ends when its record and checkpoint are written: a signal that stops a rank before then (its
+        # peer stopped first and ended their collective) leaves that epoch to be trained again.
+        if self.in_epoch > self.closed_epoch:
             position = f"at epoch {self.in_epoch}/{epochs}, after {self.step - self.epoch_first_step} step(s) of it"
         else:
-            position = f"at the end of epoch {self.epoch}/{epochs}"
+            position = f"at the end of epoch {self.closed_epoch}/{epochs}"
         if self.saved_epoch is None:
             return f"{position}; no checkpoint was written yet, so --resume auto starts afresh"
         return f"{position}; --resume auto continues from {last_checkpoint} (the end of epoch {self.saved_epoch})"
@@ -102,6 +105,14 @@ class AfterEpoch:
         self.cfg, self.trainer, self.state, self.out = cfg, trainer, state, outputs
 
     def __call__(self, epoch, record):
+        # An epoch whose steps are done is closed whole: a Ctrl-C or SIGTERM from here on takes effect once its
+        # record and checkpoint are written, so "at the end of epoch N" always names epoch N's checkpoint.
+        with interrupt.protected():
+            stop = self.close(epoch, record)
+        interrupt.check()  # a signal that came meanwhile
+        return stop
+
+    def close(self, epoch, record):
         cfg, task = self.cfg, self.trainer.task
         # Time to accuracy, counted from the start of the first process of the run (resumes included).
         record["wall_seconds"] = self.state.wall_seconds()
@@ -116,7 +127,7 @@ class AfterEpoch:
         # Rank 0 writes the checkpoint, then the epoch's record: a record never describes an epoch whose
         # checkpoint failed. Every rank learns how the writing went, so a full disk stops them all together.
         hvd_utils.decide_on_root(lambda: self.write(epoch, record, payload, better), "epoch_outputs")
-        interrupt.check()  # a signal that came during the write
+        self.state.closed_epoch = epoch
         return stop
 
     def payload(self):
@@ -128,12 +139,10 @@ class AfterEpoch:
                 **self.out.fits, **self.state.checkpoint_fields()}
 
     def write(self, epoch, record, payload, is_best):
-        # A Ctrl-C or SIGTERM meanwhile takes effect once the files are complete, and then names this checkpoint.
-        with interrupt.protected():
-            if payload is not None:
-                self.out.checkpointer.save(payload, epoch, is_best=is_best)
-                self.state.saved_epoch = epoch
-            self.out.reporter.epoch(record)
+        if payload is not None:
+            self.out.checkpointer.save(payload, epoch, is_best=is_best)
+            self.state.saved_epoch = epoch
+        self.out.reporter.epoch(record)
 
 
 def outputs_for(cfg, info, task, is_main, state=None):

@@ -3,6 +3,7 @@
 #
 #   scripts/install.sh [--gpu | --cpu] [--venv DIR] [--no-apt] [--no-mpi] [--deps-only]
 #   scripts/install.sh --python PATH [--horovod-sdist FILE] [--offline] [--gpu | --cpu] [--no-mpi]
+#   scripts/install.sh --test-tools
 #
 # 1. checks the prerequisites (Python >= 3.9 with venv and its headers, a C++ compiler, make);
 # 2. installs OpenMPI with apt when mpirun or its headers are missing (as root), else says the exact command to run;
@@ -13,6 +14,9 @@
 #    images use to build their torch and Horovod layer before the source is copied in);
 # 6. checks `horovodrun --check-build` lists PyTorch, MPI and Gloo (and NCCL with --gpu).
 # Every step is skipped when already done, so running it again takes seconds.
+#
+# --test-tools installs only what the test suite starts besides the app (`make test` runs it): SLURM's daemons and
+# clients and munge (slurm-wlm, munge) for tests/test_slurm.py, with apt as root, else it prints the command.
 #
 # With --python PATH, an interpreter that already has torch (an NGC container, a site's own build) is used as it is:
 # no virtual environment, torch is never reinstalled, and Horovod is built against that torch. --offline never
@@ -35,6 +39,7 @@ SDIST=""
 OFFLINE=0
 MPI=1
 APP=1           # --deps-only: the environment and Horovod, not this checkout
+TEST_TOOLS=0    # --test-tools: only the programs the test suite starts (SLURM, munge)
 
 step() { printf '\n==> %s\n' "$*"; }
 die() { printf '\ninstall.sh: error: %s\n' "$*" >&2; exit 1; }
@@ -47,14 +52,36 @@ while [ $# -gt 0 ]; do
         --no-apt) APT=0 ;;
         --no-mpi) MPI=0 ;;
         --deps-only) APP=0 ;;
+        --test-tools) TEST_TOOLS=1 ;;
         --python) [ $# -ge 2 ] || die "--python needs the path of an interpreter that has torch"; EXISTING=$2; shift ;;
         --horovod-sdist) [ $# -ge 2 ] || die "--horovod-sdist needs the path of horovod-0.28.1.tar.gz"; SDIST=$2; shift ;;
         --offline) OFFLINE=1; APT=0 ;;
-        -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option '$1' (try --help)" ;;
     esac
     shift
 done
+if [ "$TEST_TOOLS" = 1 ]; then
+    # The test suite's own programs: a real one-node SLURM cluster (munged, slurmctld, slurmd, sbatch, scontrol).
+    step "Checking the programs the tests start (SLURM, munge)"
+    missing=""
+    for prog in munged slurmctld slurmd sbatch scontrol squeue sinfo; do
+        command -v "$prog" >/dev/null 2>&1 || [ -x "/usr/sbin/$prog" ] || missing="$missing $prog"
+    done
+    slurm_cmd="apt-get install -y --no-install-recommends slurm-wlm munge"
+    if [ -z "$missing" ]; then
+        echo "found SLURM ($(command -v sbatch)) and munged"
+    elif [ "$APT" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing SLURM and munge (missing:$missing): $slurm_cmd"
+        apt-get update -q
+        DEBIAN_FRONTEND=noninteractive $slurm_cmd
+    else
+        die "the SLURM test needs SLURM and munge (missing:$missing). Install them and run this again:
+    sudo apt-get update && sudo $slurm_cmd"
+    fi
+    exit 0
+fi
+
 case "$GPU" in
     auto) if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then GPU=1; else GPU=0; fi ;;
     1|0) ;;

@@ -1,10 +1,16 @@
-"""Helpers for launching real Horovod jobs from tests: horovodrun (Gloo or MPI), mpirun, or one plain process."""
+"""Helpers for launching real Horovod jobs from tests: horovodrun (Gloo or MPI), mpirun, or one plain process; and
+for running the app's command line inside the test process, where a test needs no second rank."""
+import faulthandler
 import json
+import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,6 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"
 BIN = Path(sys.executable).parent
 LAUNCHERS = ("horovodrun-gloo", "horovodrun-mpi", "mpirun", "single")
+TRAIN = ROOT / "train_hvd.py"
+# What most tests do not look at: the progress bar, TensorBoard and the curves (a test that does turns it back on;
+# the last value of a flag wins).
+QUIET = ("--logging.progress=false", "--logging.tensorboard=false", "--logging.plot=false")
 
 
 def job_env():
@@ -57,6 +67,77 @@ def launch(launcher, np, script, *args, timeout=300, check=True, env=None):
     return proc
 
 
+def run_app(launcher, np, *args, check=True, env=None, timeout=300):
+    """train_hvd.py with QUIET and `args` under `launcher` with `np` ranks; returns the CompletedProcess."""
+    return launch(launcher, np, TRAIN, *QUIET, *args, check=check, env=env, timeout=timeout)
+
+
+def app_output(output):
+    """The output less horovodrun's own traceback, which it prints whenever a worker exits non-zero."""
+    return re.sub(r'Traceback \(most recent call last\):\n  File "[^"]*/horovodrun".*', "", output, flags=re.DOTALL)
+
+
+def assert_refused(result, *needles):
+    """The app refused: exit 2 (horovodrun: 1, naming a worker's exit code 2), exactly one `train_hvd.py: error:`
+    line in the whole output (every rank stopped, rank 0 alone said why) holding every needle, and no traceback of
+    the app. Returns that line."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 or (result.returncode == 1 and "Exit code: 2" in output), output[-3000:]
+    assert "Traceback" not in app_output(output), output[-3000:]
+    lines = [line for line in output.splitlines() if "train_hvd.py: error:" in line]
+    assert len(lines) == 1 and all(n in lines[0] for n in needles), output[-3000:]
+    return lines[0]
+
+
+@dataclass
+class AppResult:
+    """What an in-process run of the app's command line ended with (named like subprocess.CompletedProcess's)."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def app(monkeypatch, capfd):
+    """app(*args, env=None): train_hvd.cli() with QUIET and `args`, run inside this process as one rank; returns an
+    AppResult. For tests of what one process does with its settings and files (refusals, the messages, the files it
+    writes), which need no second rank: a real launch costs seconds of start-up, this costs none.
+
+    Horovod runs its Gloo controller (MPI cannot start again in a process once it has shut down, Gloo can), and
+    whatever the run changes in the process (environment, signal handlers, logging, torch's threads) is put back.
+    Output is captured at the file descriptors, so Horovod's own lines are in it too."""
+    import torch
+    import train_hvd
+
+    def run(*args, env=None):
+        saved_env, threads = dict(os.environ), torch.get_num_threads()
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        wakeup_fd = signal.set_wakeup_fd(-1)
+        root = logging.getLogger()
+        root_handlers, root_level = root.handlers[:], root.level
+        root.handlers.clear()  # so the app's logging.basicConfig writes to this test's captured stdout
+        os.environ.update({"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", **(env or {})})
+        monkeypatch.setattr(sys, "argv", ["train_hvd.py", *QUIET, *map(str, args)])
+        capfd.readouterr()
+        try:
+            with pytest.raises(SystemExit) as exited:
+                train_hvd.cli()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+            torch.set_num_threads(threads)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            signal.set_wakeup_fd(wakeup_fd)
+            root.handlers[:] = root_handlers
+            root.setLevel(root_level)
+            faulthandler.unregister(signal.SIGUSR1)
+        out = capfd.readouterr()
+        return AppResult(exited.value.code, out.out, out.err)
+
+    return run
+
+
 def wait_for(condition, what, seconds=300):
     """Poll condition() until it is true. `seconds` caps a wait for something that never happens; it is not a guess
     at how long it takes. `what` names it in the failure (a callable: built then, e.g. from the last attempt)."""
@@ -69,6 +150,23 @@ def wait_for(condition, what, seconds=300):
 def read_json(path):
     with open(path) as f:
         return json.load(f)
+
+
+# Under CI (CI=true) a test that would skip fails instead: a prerequisite that is missing there is a missing install
+# step, and a skipped test protects nothing. Only tests that depend on whether the machine has a GPU may skip.
+MAY_SKIP_IN_CI = ("gpu", "no_gpu")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and os.environ.get("CI", "").lower() == "true" and not hasattr(report, "wasxfail")
+            and not any(item.get_closest_marker(m) for m in MAY_SKIP_IN_CI)):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = (f"skipped under CI=true, which counts as a failure: {reason}\n(the setup must install what "
+                           "this test needs: scripts/install.sh, make test)")
 
 
 @pytest.fixture

@@ -7,10 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import BIN, ROOT, job_env, launch, read_json
-
-TRAIN = ROOT / "train_hvd.py"
-QUIET = ["--logging.progress=false", "--logging.tensorboard=false", "--logging.plot=false"]
+from conftest import BIN, QUIET, ROOT, TRAIN, assert_refused, job_env, launch, read_json
 TINY = ["--model", "small_cnn", "--image-size", "12", "--batch-size", "8", "--num-warmup-batches", "2",
         "--num-iters", "3", "--num-batches-per-iter", "2"]
 
@@ -31,23 +28,30 @@ def test_benchmark_mode_reports_images_per_second_per_rank_and_in_total(tmp_path
     assert not (tmp_path / "checkpoints").exists()  # times steps, trains nothing worth keeping
 
 
-def test_benchmark_defaults_to_imagenet_sized_images_for_torchvision_models(tmp_path):
-    launch("single", 1, TRAIN, "--benchmark", "--model", "mobilenet_v3_small", "--batch-size", "2",
-           "--num-warmup-batches", "0", "--num-iters", "1", "--num-batches-per-iter", "1", "--output-dir", tmp_path,
-           *QUIET)
+def test_benchmark_defaults_to_imagenet_sized_images_for_torchvision_models(tmp_path, app):
+    result = app("--benchmark", "--model", "mobilenet_v3_small", "--batch-size", "2", "--num-warmup-batches", "0",
+                 "--num-iters", "1", "--num-batches-per-iter", "1", "--output-dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
     s = read_json(tmp_path / "summary.json")
-    assert s["image_size"] == 224 and s["img_per_sec_total"] > 0
+    assert (s["model"], s["image_size"], s["batch_size_per_rank"], s["world_size"]) == ("mobilenet_v3_small", 224, 2, 1)
+    # One iteration on one rank: the per-rank mean and the total are that iteration's figure, and the log says it.
+    [[rate]] = s["img_per_sec_by_rank"]
+    assert rate > 0 and s["img_per_sec_per_rank"] == pytest.approx(rate) == s["img_per_sec_total"]
+    assert s["img_per_sec_per_rank_ci95"] == 0
+    assert f"total img/sec on 1 rank(s): {rate:.1f}" in result.stdout
 
 
-def test_benchmark_never_replaces_a_training_run(tmp_path):
-    launch("single", 1, TRAIN, "--epochs", "1", "--output-dir", tmp_path, *QUIET)
+def test_benchmark_never_replaces_a_training_run(tmp_path, app):
+    assert app("--epochs", "1", "--output-dir", tmp_path).returncode == 0
     before = (tmp_path / "summary.json").read_bytes()
-    proc = launch("single", 1, TRAIN, "--benchmark", *TINY, "--output-dir", tmp_path, check=False)
-    assert proc.returncode == 2 and "holds a training run" in proc.stderr and "--overwrite" in proc.stderr
-    assert (tmp_path / "summary.json").read_bytes() == before
+    line = assert_refused(app("--benchmark", *TINY, "--output-dir", tmp_path), "holds a training run")
+    assert "--overwrite" in line and (tmp_path / "summary.json").read_bytes() == before
     # An earlier benchmark's figures may be replaced by a new benchmark.
-    launch("single", 1, TRAIN, "--benchmark", *TINY, "--output-dir", tmp_path / "b", *QUIET)
-    launch("single", 1, TRAIN, "--benchmark", *TINY, "--output-dir", tmp_path / "b", *QUIET)
+    first = []
+    for _ in range(2):
+        assert app("--benchmark", *TINY, "--output-dir", tmp_path / "b").returncode == 0
+        first.append(read_json(tmp_path / "b" / "summary.json")["img_per_sec_by_rank"])
+    assert first[0] != first[1]  # the second benchmark's own timings replaced the first one's
 
 
 @pytest.mark.distributed

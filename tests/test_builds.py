@@ -17,7 +17,8 @@ import pytest
 
 from conftest import ROOT, job_env
 
-pytestmark = [pytest.mark.build, pytest.mark.distributed, pytest.mark.timeout(2400)]
+# One worker builds each variant once (the fixtures are per module, and make test runs files side by side).
+pytestmark = [pytest.mark.build, pytest.mark.distributed, pytest.mark.timeout(2400), pytest.mark.xdist_group("builds")]
 BUILD = ROOT / "scripts" / "build_horovod.py"
 
 

@@ -7,10 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, job_env, launch, read_json
-
-TRAIN = ROOT / "train_hvd.py"
-QUIET = ["--logging.progress=false", "--logging.tensorboard=false", "--logging.plot=false"]
+from conftest import ROOT, assert_refused, job_env, launch, read_json, run_app
 
 
 def _conv_weights(state_dict):
@@ -37,9 +34,13 @@ def test_weights_and_every_batch_are_channels_last_and_the_outputs_unchanged():
         to_channels_last(build_model("vae", 1, 10, 8))
 
 
-def test_one_process_trains_evaluates_and_benchmarks_channels_last(tmp_path):
-    proc = launch("single", 1, TRAIN, "--channels-last", "--epochs", "2", "--output-dir", tmp_path / "run", *QUIET)
-    assert "amp off, channels-last" in proc.stdout
+def test_one_process_trains_evaluates_and_benchmarks_channels_last(tmp_path, app):
+    def run(*args):
+        result = app(*args)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result
+
+    assert "amp off, channels-last" in run("--channels-last", "--epochs", "2", "--output-dir", tmp_path / "run").stdout
     summary = read_json(tmp_path / "run" / "summary.json")
     assert summary["best_val_acc1"] > 50.0 and summary["params_in_sync"]
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
@@ -48,19 +49,19 @@ def test_one_process_trains_evaluates_and_benchmarks_channels_last(tmp_path):
                            for w in weights.values())
     momentum = [s["momentum_buffer"] for s in ckpt["optimizer"]["state"].values()]
     assert sum(m.dim() == 4 and m.is_contiguous(memory_format=torch.channels_last) for m in momentum) == 2
-    launch("single", 1, TRAIN, "--channels-last", "--evaluate", "--resume", tmp_path / "run" / "checkpoints" /
-           "last.pt", "--output-dir", tmp_path / "eval", *QUIET)
+    run("--channels-last", "--evaluate", "--resume", tmp_path / "run" / "checkpoints" / "last.pt", "--output-dir",
+        tmp_path / "eval")
     evaluation = read_json(tmp_path / "eval" / "evaluation.json")
     assert evaluation["acc1"] == pytest.approx(summary["final_val_acc1"])
     # Continued in the default layout: its channels-last momentum from the checkpoint is laid out like the weights.
-    launch("single", 1, TRAIN, "--epochs", "3", "--resume", "auto", "--output-dir", tmp_path / "run", *QUIET)
+    run("--epochs", "3", "--resume", "auto", "--output-dir", tmp_path / "run")
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert ckpt["epoch"] == 3 and all(w.is_contiguous() for w in _conv_weights(ckpt["model"]).values())
 
     bench = ["--benchmark", "--model", "small_cnn", "--image-size", "12", "--batch-size", "8", "--num-warmup-batches",
-             "1", "--num-iters", "2", "--num-batches-per-iter", "2", *QUIET]
-    launch("single", 1, TRAIN, *bench, "--channels-last", "--amp", "bf16", "--output-dir", tmp_path / "b1")
-    launch("single", 1, TRAIN, *bench, "--output-dir", tmp_path / "b0")
+             "1", "--num-iters", "2", "--num-batches-per-iter", "2"]
+    run(*bench, "--channels-last", "--amp", "bf16", "--output-dir", tmp_path / "b1")
+    run(*bench, "--output-dir", tmp_path / "b0")
     on, off = read_json(tmp_path / "b1" / "summary.json"), read_json(tmp_path / "b0" / "summary.json")
     assert (on["channels_last"], on["amp"], off["channels_last"]) == (True, "bf16", False)
     assert on["img_per_sec_total"] > 0
@@ -71,10 +72,9 @@ def test_two_ranks_train_and_resume_channels_last_and_end_identical(tmp_path):
     # Adam's moments are channels-last like the weights, and --fp16-allreduce compresses channels-last gradients:
     # both travel through Horovod, which takes contiguous tensors only. Ranks start from different seeds, so ending
     # identical needs the initial broadcast as well as the averaged gradients.
-    args = ["--channels-last", "--optimizer", "adam", "--lr", "0.002", "--fp16-allreduce", "--output-dir", tmp_path,
-            *QUIET]
-    launch("horovodrun-gloo", 2, TRAIN, "--epochs", "1", *args)
-    proc = launch("horovodrun-gloo", 2, TRAIN, "--epochs", "2", "--resume", "auto", *args)  # fails on any mismatch
+    args = ["--channels-last", "--optimizer", "adam", "--lr", "0.002", "--fp16-allreduce", "--output-dir", tmp_path]
+    run_app("horovodrun-gloo", 2, "--epochs", "1", *args)
+    proc = run_app("horovodrun-gloo", 2, "--epochs", "2", "--resume", "auto", *args)  # fails on any mismatch
     assert "resuming after epoch 1" in proc.stdout
     summary = read_json(tmp_path / "summary.json")
     assert summary["world_size"] == 2 and summary["params_in_sync"] and len(set(summary["params_fingerprints"])) == 1
@@ -96,9 +96,8 @@ def test_a_channels_last_step_on_2_ranks_equals_1_rank_with_double_batch(tmp_pat
     (["--model", "vae", "--channels-last"], "model.channels_last (--channels-last): vae: the model has no convolution"),
     (["--elastic", "--channels-last"], "cannot be combined with --elastic"),
 ])
-def test_channels_last_where_it_cannot_apply_is_refused(tmp_path, args, message):
-    proc = launch("single", 1, TRAIN, *args, "--epochs", "1", "--output-dir", tmp_path, *QUIET, check=False)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+def test_channels_last_where_it_cannot_apply_is_refused(tmp_path, app, args, message):
+    assert_refused(app(*args, "--epochs", "1", "--output-dir", tmp_path / "run"), message)
 
 
 def test_bare_loop_runs_the_apps_step_with_bf16_and_channels_last_on_the_cpu(tmp_path):

@@ -10,17 +10,15 @@ import sys
 import pytest
 import torch
 
-from conftest import BIN, ROOT, job_env, launch, read_json
+from conftest import BIN, QUIET, ROOT, assert_refused, job_env, launch, read_json, run_app
 from test_elastic import worker_on
-
-pytestmark = pytest.mark.distributed
-QUIET = ["--logging.progress", "false", "--logging.tensorboard", "false", "--logging.plot", "false"]
 
 
 def train(launcher, np, out, *flags, check=True, env=None):
-    return launch(launcher, np, ROOT / "train_hvd.py", "--output-dir", out, *QUIET, *flags, check=check, env=env)
+    return run_app(launcher, np, "--output-dir", out, *flags, check=check, env=env)
 
 
+@pytest.mark.distributed
 def test_a_compiled_step_on_2_ranks_equals_an_eager_step_on_1_rank_with_double_batch(tmp_path, worker):
     batch = 16
     launch("horovodrun-gloo", 2, worker("grad_step.py"), tmp_path / "compiled.pt", batch, "--compile", "--every-rank")
@@ -35,6 +33,7 @@ def test_a_compiled_step_on_2_ranks_equals_an_eager_step_on_1_rank_with_double_b
         torch.testing.assert_close(rank0[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.distributed
 def test_a_compiled_run_resumes_into_an_eager_one_and_back(tmp_path):
     out = tmp_path / "run"
     proc = train("horovodrun-mpi", 2, out, "--compile", "--epochs", "1")
@@ -57,6 +56,7 @@ def test_a_compiled_run_resumes_into_an_eager_one_and_back(tmp_path):
     assert losses[2] < losses[1] < losses[0], losses
 
 
+@pytest.mark.distributed
 def test_a_compiled_elastic_job_survives_a_lost_worker(tmp_path):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
@@ -89,11 +89,10 @@ def test_a_compiled_elastic_job_survives_a_lost_worker(tmp_path):
     assert not any("_orig_mod" in k for k in keys)
 
 
-def test_compile_without_a_cpp_compiler_is_refused_before_training(tmp_path):
-    proc = train("single", 1, tmp_path / "run", "--compile", check=False, env={"CXX": "/nonexistent/c++"})
-    assert proc.returncode == 2, proc.stderr
-    assert "--compile on the CPU needs a C++ compiler" in proc.stderr and "/nonexistent/c++" in proc.stderr
-    assert not (tmp_path / "run" / "summary.json").exists()
+def test_compile_without_a_cpp_compiler_is_refused_before_training(tmp_path, app):
+    result = app("--output-dir", tmp_path / "run", "--compile", env={"CXX": "/nonexistent/c++"})
+    assert_refused(result, "--compile on the CPU needs a C++ compiler", "/nonexistent/c++")
+    assert not (tmp_path / "run").exists()
 
 
 def _trace_names(path):
@@ -102,6 +101,7 @@ def _trace_names(path):
     return {event.get("name") for event in trace["traceEvents"]}
 
 
+@pytest.mark.distributed
 def test_profile_on_every_rank_records_the_step_and_the_allreduce(tmp_path):
     out = tmp_path / "run"
     proc = train("horovodrun-mpi", 2, out, "--epochs", "1", "--profile", "--profile-ranks", "all",
@@ -122,6 +122,7 @@ def test_profile_on_every_rank_records_the_step_and_the_allreduce(tmp_path):
     assert any(t.startswith("allreduce.") and t.endswith("features.0.weight") for t in tensors), tensors
 
 
+@pytest.mark.distributed
 def test_profile_on_rank_0_only_and_a_window_past_the_end(tmp_path):
     out = tmp_path / "run"
     train("horovodrun-gloo", 2, out, "--epochs", "1", "--profile", "--profile-steps", "1")
@@ -141,9 +142,6 @@ def test_profile_on_rank_0_only_and_a_window_past_the_end(tmp_path):
     (["--profile", "--profile-ranks", "1"], "argument --profile-ranks"),
     (["--profile", "--profile-steps", "0"], "profile.steps (--profile-steps)=0: must be 1 to 1000 steps"),
 ])
-def test_bad_compile_and_profile_settings_get_one_message(tmp_path, flags, message):
-    proc = subprocess.run([sys.executable, str(ROOT / "train_hvd.py"), "--output-dir", str(tmp_path / "run"), *flags],
-                          cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr, proc.stderr
+def test_bad_compile_and_profile_settings_get_one_message(tmp_path, app, flags, message):
+    assert_refused(app("--output-dir", tmp_path / "run", *flags), message)
     assert not (tmp_path / "run").exists()

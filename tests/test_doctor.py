@@ -8,7 +8,8 @@ import pytest
 from cluster import IFACE, SSH_PORT, Cluster
 from conftest import BIN
 
-pytestmark = pytest.mark.distributed
+# Namespace hosts have fixed names: one cluster at a time (make test runs files side by side).
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("cluster")]
 
 
 def doctor(cluster, *args, hostfile=None):

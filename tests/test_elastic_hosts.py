@@ -13,7 +13,8 @@ from cluster import IFACE, Cluster
 from conftest import BIN, ROOT, WORKERS, read_json
 from hvd_train import checkpoint
 
-pytestmark = pytest.mark.distributed
+# Namespace hosts have fixed names: one cluster at a time (make test runs files side by side).
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("cluster")]
 COMMIT_EVERY = 5
 EPOCHS = 8
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, job_env, launch, read_json
+from conftest import QUIET, ROOT, TRAIN, job_env, launch, read_json
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -23,8 +23,6 @@ pytestmark = [pytest.mark.gpu,
 needs_torchvision = pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
                                        reason="the ResNet tests need torchvision, which this environment lacks")
 
-TRAIN = ROOT / "train_hvd.py"
-QUIET = ["--logging.progress=false", "--logging.tensorboard=false", "--logging.plot=false"]
 NP = max(1, min(2, torch.cuda.device_count()))  # one rank per GPU, at most 2
 RANKS = pytest.mark.parametrize("np", [NP], ids=[f"{NP}rank"])
 

@@ -18,6 +18,7 @@ def gpu_check(*args):
                           timeout=300)
 
 
+@pytest.mark.no_gpu
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU: the script would really run")
 def test_without_a_gpu_it_stops_at_the_first_step_and_builds_nothing(tmp_path):
     sdist = tmp_path / "horovod-0.28.1.tar.gz"
@@ -48,10 +49,12 @@ def test_help_lists_every_step():
         assert words in out
 
 
+@pytest.mark.no_gpu
 def test_gpu_marked_tests_skip_cleanly_without_a_gpu():
     if not NO_GPU:
         pytest.skip("this machine has a GPU: the gpu tests run for real")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rs",
-                           "tests"], cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p",
+                           "no:xdist", "-rs", "tests"], cwd=ROOT, env=job_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " skipped" in proc.stdout and "passed" not in proc.stdout and "failed" not in proc.stdout, proc.stdout

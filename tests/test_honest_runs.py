@@ -11,15 +11,21 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hvd_train import checkpoint
-from conftest import ROOT, WORKERS, job_env, launch, launch_command, read_json, wait_for
+from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, job_env, launch_command, read_json,
+                      run_app, wait_for)
 
-pytestmark = pytest.mark.distributed
-TRAIN = ROOT / "train_hvd.py"
-QUIET = ["--logging.progress=false", "--logging.plot=false"]
+TENSORBOARD = "--logging.tensorboard=true"  # these tests read the events back
 
 
 def train(launcher, np, run, *args, check=True, env=None):
-    return launch(launcher, np, TRAIN, "--output-dir", run, *QUIET, *args, check=check, env=env)
+    return run_app(launcher, np, "--output-dir", run, TENSORBOARD, *args, check=check, env=env)
+
+
+def train_here(app, run, *args):
+    """One rank inside the test process (conftest's app): for what needs no second rank."""
+    result = app("--output-dir", run, TENSORBOARD, *args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 def epochs_in(run):
@@ -34,32 +40,16 @@ def tensorboard_steps(run, tag="val/loss"):
     return [e.step for e in acc.Scalars(tag)]
 
 
-def app_output(output):
-    """The output less horovodrun's own traceback, which it prints whenever a worker exits non-zero."""
-    return re.sub(r'Traceback \(most recent call last\):\n  File "[^"]*/horovodrun".*', "", output, flags=re.DOTALL)
-
-
-def refused(proc, *needles):
-    """The run exited 2 (horovodrun: 1, naming a worker's exit code 2) with one `train_hvd.py: error:` line holding
-    every needle, and no traceback of the app."""
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 2 or (proc.returncode == 1 and "Exit code: 2" in output), output[-3000:]
-    assert "Traceback" not in app_output(output), output[-3000:]
-    lines = [line for line in output.splitlines() if "train_hvd.py: error:" in line]
-    assert len(lines) == 1 and all(n in lines[0] for n in needles), output[-3000:]
-    return lines[0]
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Resumes
 
 
-def test_resuming_a_finished_run_refuses_and_writes_nothing(tmp_path):
-    train("single", 1, tmp_path, "--epochs", 2)
+def test_resuming_a_finished_run_refuses_and_writes_nothing(tmp_path, app):
+    train_here(app, tmp_path, "--epochs", 2)
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
-    proc = train("single", 1, tmp_path, "--epochs", 2, "--resume", "auto", check=False)
-    refused(proc, "nothing to train", "the checkpoint is at epoch 2 and --epochs is 2", "--evaluate --resume")
-    assert "done:" not in proc.stdout
+    result = app("--output-dir", tmp_path, "--epochs", 2, "--resume", "auto")
+    assert_refused(result, "nothing to train", "the checkpoint is at epoch 2 and --epochs is 2", "--evaluate --resume")
+    assert "done:" not in result.stdout
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing rewritten
 
 
@@ -68,22 +58,23 @@ def test_resuming_a_finished_run_refuses_and_writes_nothing(tmp_path):
     ("--image-size", "16", "image_size=8"),
     ("--optimizer", "adam", "optimizer_name='sgd'"),
 ])
-def test_a_checkpoint_of_another_data_set_image_size_or_optimizer_is_refused_naming_the_setting(tmp_path, flag,
+def test_a_checkpoint_of_another_data_set_image_size_or_optimizer_is_refused_naming_the_setting(tmp_path, app, flag,
                                                                                                 value, setting):
-    train("single", 1, tmp_path, "--epochs", 1)
-    proc = train("single", 1, tmp_path, "--epochs", 3, "--resume", "auto", flag, value, check=False)
-    refused(proc, "checkpoints/last.pt was written with " + setting, "this run has")
+    train_here(app, tmp_path, "--epochs", 1)
+    result = app("--output-dir", tmp_path, "--epochs", 3, "--resume", "auto", flag, value)
+    assert_refused(result, "checkpoints/last.pt was written with " + setting, "this run has")
     assert epochs_in(tmp_path) == [1]
 
 
-def test_a_file_that_is_not_a_checkpoint_is_refused_without_torch_s_advice(tmp_path):
+def test_a_file_that_is_not_a_checkpoint_is_refused_without_torch_s_advice(tmp_path, app):
     foreign = tmp_path / "foreign.pt"
     foreign.write_bytes(b"PK\x03\x04 a zip header and nothing else")
-    proc = train("single", 1, tmp_path / "run", "--resume", foreign, check=False)
-    line = refused(proc, str(foreign), "not a checkpoint")
-    assert "weights_only" not in proc.stdout + proc.stderr and "cut short" in line
+    result = app("--output-dir", tmp_path / "run", "--resume", foreign)
+    line = assert_refused(result, str(foreign), "not a checkpoint")
+    assert "weights_only" not in result.stdout + result.stderr and "cut short" in line
 
 
+@pytest.mark.distributed
 def test_a_resumed_run_records_its_resume_points_and_whole_run_totals(tmp_path):
     train("horovodrun-gloo", 2, tmp_path, "--epochs", 2)
     train("horovodrun-gloo", 2, tmp_path, "--epochs", 3, "--resume", "auto")
@@ -120,10 +111,12 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_full_disk_stops_every_rank_with_one_message_and_resuming_keeps_one_record_per_epoch(tmp_path, small_disk):
+@pytest.mark.distributed
+def test_a_full_disk_stops_every_rank_with_one_message_and_resuming_keeps_one_record_per_epoch(tmp_path, small_disk,
+                                                                                               app):
     # The size of one checkpoint of this model, from a run on the ordinary disk.
     probe = tmp_path / "probe"
-    train("single", 1, probe, "--epochs", 1, "--logging.tensorboard=false")
+    train_here(app, probe, "--epochs", 1)
     size = (probe / "checkpoints" / "epoch_0001.pt").stat().st_size
     disk, resize = small_disk
     run = disk / "run"
@@ -145,13 +138,13 @@ def test_a_full_disk_stops_every_rank_with_one_message_and_resuming_keeps_one_re
     assert tensorboard_steps(run) == [1, 2, 3, 4, 5, 6]
 
 
-def test_records_after_the_last_checkpoint_are_dropped_on_resume(tmp_path):
+def test_records_after_the_last_checkpoint_are_dropped_on_resume(tmp_path, app):
     # Checkpoints every 2 epochs: epoch 3's record is written, the run is interrupted before epoch 4's checkpoint.
-    train("single", 1, tmp_path, "--epochs", 3, "--checkpoint.every_epochs", 2)
+    train_here(app, tmp_path, "--epochs", 3, "--checkpoint.every_epochs", 2)
     (tmp_path / "checkpoints" / "last.pt").unlink()
     os.link(tmp_path / "checkpoints" / "epoch_0002.pt", tmp_path / "checkpoints" / "last.pt")
     assert epochs_in(tmp_path) == [1, 2, 3]
-    train("single", 1, tmp_path, "--epochs", 4, "--resume", "auto")
+    train_here(app, tmp_path, "--epochs", 4, "--resume", "auto")
     assert epochs_in(tmp_path) == [1, 2, 3, 4]
     assert tensorboard_steps(tmp_path) == [1, 2, 3, 4]
 
@@ -163,7 +156,7 @@ def test_records_after_the_last_checkpoint_are_dropped_on_resume(tmp_path):
 def start(launcher, np, run, log, *args, script=TRAIN, script_args=()):
     """Start a long run in its own process group, as a shell starts a job; returns the Popen."""
     cmd = launch_command(launcher, np, [str(script), *map(str, script_args), "--output-dir", str(run), *QUIET,
-                                        "--epochs", "300", *map(str, args)])
+                                        TENSORBOARD, "--epochs", "300", *map(str, args)])
     return subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -194,6 +187,7 @@ def interrupted(proc, log, *signums):
     return output, int(saved)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("launcher,target,signum", [
     ("horovodrun-gloo", "group", signal.SIGINT),   # Ctrl-C in a terminal: the whole foreground group
     ("horovodrun-mpi", "launcher", signal.SIGINT),  # kill -INT <horovodrun's pid>, as the README says
@@ -215,6 +209,7 @@ def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_pat
     assert epochs_in(run) == list(range(1, saved + 2))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("launcher", ["single", "horovodrun-gloo"])
 def test_sigterm_during_a_checkpoint_write_lets_it_finish(tmp_path, launcher):
     run, log, markers = tmp_path / "run", tmp_path / "log", tmp_path / "markers"
@@ -235,24 +230,33 @@ def test_sigterm_during_a_checkpoint_write_lets_it_finish(tmp_path, launcher):
 # Bad paths, checked before data and model are built
 
 
-@pytest.mark.parametrize("output_dir,why", [("/proc/hvd-train-x", "cannot write there"),
-                                            ("{file}", "is a file, not a directory")])
-def test_an_output_dir_that_cannot_be_written_is_refused_first(tmp_path, output_dir, why):
+OUTPUT_DIRS = [("/proc/hvd-train-x", "cannot write there"), ("{file}", "is a file, not a directory")]
+
+
+@pytest.mark.parametrize("output_dir,why", OUTPUT_DIRS)
+def test_an_output_dir_that_cannot_be_written_is_refused_first(tmp_path, app, output_dir, why):
     a_file = tmp_path / "a_file"
     a_file.write_text("keep me")
     output_dir = output_dir.format(file=a_file)
-    # Under horovodrun: every rank stops with rank 0's message, before the data set is read.
-    proc = train("horovodrun-gloo", 2, output_dir, "--dataset", "mnist", "--data-dir", tmp_path / "absent",
-                 check=False)
-    refused(proc, f"--output-dir {output_dir}: {why}")
+    # Before the data set is read: the MNIST files are not there, and that is not what the message says.
+    assert_refused(app("--output-dir", output_dir, "--dataset", "mnist", "--data-dir", tmp_path / "absent"),
+                   f"--output-dir {output_dir}: {why}")
     assert a_file.read_text() == "keep me"
 
 
-def test_download_into_a_data_dir_that_is_a_file_is_refused(tmp_path):
+@pytest.mark.distributed
+def test_an_output_dir_that_cannot_be_written_stops_every_rank_under_horovodrun(tmp_path):
+    # Under horovodrun: every rank stops with rank 0's message (horovodrun itself exits 1, naming exit code 2).
+    proc = train("horovodrun-gloo", 2, "/proc/hvd-train-x", "--dataset", "mnist", "--data-dir", tmp_path / "absent",
+                 check=False)
+    assert_refused(proc, "--output-dir /proc/hvd-train-x: cannot write there")
+
+
+def test_download_into_a_data_dir_that_is_a_file_is_refused(tmp_path, app):
     a_file = tmp_path / "data"
     a_file.write_text("keep me")
-    proc = train("single", 1, tmp_path / "run", "--dataset", "mnist", "--download", "--data-dir", a_file, check=False)
-    refused(proc, f"--data-dir {a_file}: is a file, not a directory")
+    result = app("--output-dir", tmp_path / "run", "--dataset", "mnist", "--download", "--data-dir", a_file)
+    assert_refused(result, f"--data-dir {a_file}: is a file, not a directory")
     assert a_file.read_text() == "keep me" and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -260,10 +264,11 @@ def test_download_into_a_data_dir_that_is_a_file_is_refused(tmp_path):
 # Autotune
 
 
+@pytest.mark.distributed
 def test_horovodrun_autotune_tunes_the_fusion_threshold_and_cycle_time(tmp_path):
     log = tmp_path / "autotune.csv"
     cmd = launch_command("horovodrun-gloo", 2, [str(TRAIN), "--output-dir", str(tmp_path / "run"), *QUIET,
-                                                "--epochs", "2"])
+                                                TENSORBOARD, "--epochs", "2"])
     cmd[1:1] = ["--autotune", "--autotune-log-file", str(log), "--autotune-warmup-samples", "1",
                 "--autotune-steps-per-sample", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)

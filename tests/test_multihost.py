@@ -9,7 +9,8 @@ import pytest
 from cluster import IFACE, Cluster
 from conftest import BIN, ROOT, read_json
 
-pytestmark = pytest.mark.distributed
+# Namespace hosts have fixed names: one cluster at a time (make test runs files side by side).
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("cluster")]
 TRAIN = [sys.executable, str(ROOT / "train_hvd.py"), "--epochs", "1", "--logging.progress=false"]
 
 

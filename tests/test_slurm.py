@@ -27,7 +27,10 @@ SlurmctldHost={host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={d}/munge.socket
+# A requeued job waits out the credential lifetime (cred_expire, 120 s by default) before it may start again, and a
+# pending job is looked at by the main scheduling loop (sched_interval, 60 s): both shortened for a test cluster.
+AuthInfo=socket={d}/munge.socket,cred_expire=15
+SchedulerParameters=sched_interval=5,bf_interval=5
 CredType=cred/munge
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
@@ -104,12 +107,13 @@ def test_sbatch_trains_with_two_tasks_and_a_requeued_job_resumes(slurm, tmp_path
     # The script's GPU request and two nodes, replaced for this one CPU node; every other line is as shipped.
     proc = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
                            "--cpus-per-task=1", "--open-mode=append", f"--output={log}",
-                           str(ROOT / "hostfiles" / "slurm_train.sbatch"), "--output-dir", str(out), "--epochs", "20",
+                           str(ROOT / "hostfiles" / "slurm_train.sbatch"), "--output-dir", str(out), "--epochs", "10",
                            "--batch-size", "8", "--logging.progress=false"],
                           cwd=ROOT, env=slurm, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip().split(";")[0]
-    # As soon as the first checkpoint is written, SLURM requeues the job (a preemption, a node failure).
+    # As soon as the first checkpoint is written, SLURM requeues the job (a preemption, a node failure); the nine
+    # epochs still to train keep it running until the requeue arrives.
     wait_for(lambda: (out / "checkpoints" / "last.pt").exists() or job_state(slurm, job) in ("FAILED", "GONE"),
              "the first checkpoint", seconds=300)
     requeue = subprocess.run(["scontrol", "requeue", job], env=slurm, capture_output=True, text=True)
@@ -123,5 +127,5 @@ def test_sbatch_trains_with_two_tasks_and_a_requeued_job_resumes(slurm, tmp_path
     assert "resuming after epoch" in output  # the second start continued from the checkpoint
     summary = read_json(out / "summary.json")
     assert summary["world_size"] == 2 and summary["params_in_sync"]
-    assert [h["epoch"] for h in summary["history"]] == list(range(1, 21))
+    assert [h["epoch"] for h in summary["history"]] == list(range(1, 11))
     assert summary["final_val_acc1"] > 90.0

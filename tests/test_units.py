@@ -286,3 +286,18 @@ def test_an_epoch_that_ends_again_after_an_elastic_rollback_replaces_its_record_
         state.add(task, {"epoch": epoch, "val_acc1": acc})
     assert [(h["epoch"], h["val_acc1"]) for h in state.history] == [(1, 50.0), (2, 55.0), (3, 52.0)]
     assert (state.best_metric, state.best_epoch) == (55.0, 2)
+
+
+def test_an_interruption_names_the_last_epoch_whose_record_and_checkpoint_are_written():
+    from hvd_train.run_state import RunState
+    state, task = RunState(), trainer_for(None, None).task
+    assert state.where(5, "last.pt") == "at the end of epoch 0/5; no checkpoint was written yet, so --resume auto " \
+                                        "starts afresh"
+    state.in_epoch, state.epoch_first_step, state.step = 1, 0, 3
+    assert state.where(5, "last.pt").startswith("at epoch 1/5, after 3 step(s) of it; no checkpoint")
+    # Epoch 1's steps are done and recorded in the run state, its files not yet written: it is still epoch 1.
+    state.add(task, {"epoch": 1, "val_acc1": 50.0})
+    assert state.where(5, "last.pt").startswith("at epoch 1/5, after 3 step(s) of it")
+    state.saved_epoch = state.closed_epoch = 1  # what AfterEpoch does once they are
+    assert state.where(5, "last.pt") == "at the end of epoch 1/5; --resume auto continues from last.pt (the end of " \
+                                        "epoch 1)"
