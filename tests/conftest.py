@@ -169,6 +169,22 @@ def pytest_runtest_makereport(item, call):
                            "this test needs: scripts/install.sh, make test)")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """make test's `--dist loadgroup`: tests marked xdist_group(NAME) run on one worker. pytest-xdist 3.8 marks them
+    by appending @NAME to item._nodeid, which pytest 9 no longer reads (the id lives in item._id), so every group
+    would be spread over the workers: two builds of one variant at once, two namespace clusters with the same
+    names. Done here instead, where xdist's own attempt left the id unchanged."""
+    if not config.getvalue("loadgroup"):
+        return
+    from _pytest.nodeid import coerce_node_id
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
+
+
 @pytest.fixture
 def worker():
     """Path of a worker script in tests/workers."""
