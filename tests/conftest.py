@@ -175,7 +175,7 @@ def pytest_collection_modifyitems(config, items):
     by appending @NAME to item._nodeid, which pytest 9 no longer reads (the id lives in item._id), so every group
     would be spread over the workers: two builds of one variant at once, two namespace clusters with the same
     names. Done here instead, where xdist's own attempt left the id unchanged."""
-    if not config.getvalue("loadgroup"):
+    if not config.getoption("loadgroup", default=False):  # absent where xdist is off (-p no:xdist)
         return
     from _pytest.nodeid import coerce_node_id
     for item in items:
