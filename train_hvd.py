@@ -23,7 +23,7 @@ import torch
 
 import hvd_utils
 from data import BadSampleError, DataError
-from hvd_train.build import build_data, build_trainer, check_choices
+from hvd_train.build import build_data, build_trainer, check_choices, load_initial_weights
 from hvd_train.config import parse_config
 from hvd_train import doctor, interrupt, watchdog
 from hvd_train.engine import Hooks, fit
@@ -41,10 +41,11 @@ def setup_logging(is_main):
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, format="%(message)s", stream=sys.stdout)
 
 
-def main(argv=None):
+def main(argv=None, cfg=None):
+    """One run of the app: the settings of `argv` (the command line by default), or a Config already made."""
     # `kill -USR1 <pid>` prints every thread's Python stack to stderr: where a rank that seems stuck is waiting.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    cfg = parse_config(argv)
+    cfg = cfg or parse_config(argv)
     check_choices(cfg)
     if cfg.profile.enabled:  # before hvd.init(): Horovod's timeline can then be switched on for the profiled steps
         hvd_utils.timeline.enable_dynamic()
@@ -89,6 +90,7 @@ def train(cfg, rt):
     else:
         if cfg.checkpoint.resume:
             log.info("--resume auto: no checkpoint in %s yet, starting afresh", run_dir.checkpoints)
+        load_initial_weights(cfg, trainer.model)  # --init-from, on rank 0
         # Horovod: every rank starts from rank 0's weights and optimizer state.
         hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
     outputs = outputs_for(cfg, info, trainer.task, rt.is_main, state)
@@ -117,9 +119,14 @@ def write_config(path, cfg):
 def cli():
     if sys.argv[1:2] == ["doctor"]:  # hvd-train doctor -H ...: check the hosts of a job before it runs
         sys.exit(doctor.main(sys.argv[2:]))
+    sys.exit(guarded(main))
+
+
+def guarded(run):
+    """run() with every failure reported once, as cli() and hvd_train.run() do; returns the exit code."""
     code = 1
     try:
-        code = main()
+        code = run()
     except (ConfigError, DataError, CheckpointError, NonFiniteLossError) as e:
         # Raised on every rank at the same point (checked on all, or sent from rank 0), so none waits on another;
         # rank 0 alone says it. Exit 2: a setting or a file to fix; 3: the training diverged.
@@ -149,7 +156,7 @@ def cli():
         code = 1
     finally:
         hvd_utils.shutdown()
-    sys.exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Data sets, the train/validation split and the per-rank loaders. No Horovod here: ranks are arguments."""
 import multiprocessing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
@@ -22,16 +23,24 @@ DATASETS = {
 }
 
 __all__ = ["DATASETS", "BadSampleError", "DataError", "DataInfo", "LoaderSpec", "build_datasets", "build_loaders",
-           "download_fn"]
+           "download_fn", "users_datasets"]
+IMAGE_FACTS = ("in_channels", "num_classes", "image_size")
 
 
 @dataclass
 class DataInfo:
-    in_channels: int
-    num_classes: int
-    image_size: int
+    """What the model and the run need to know about the data. None: the data set does not say (non-image data)."""
+    in_channels: Optional[int]
+    num_classes: Optional[int]
+    image_size: Optional[int]
     num_train: int
     num_val: int
+    extra: dict = field(default_factory=dict)  # a user's data set's other facts (vocab_size, block_size, ...)
+
+    def facts(self):
+        """The facts a model factory may name as parameters: the known image facts and the extra ones."""
+        known = {name: getattr(self, name) for name in IMAGE_FACTS if getattr(self, name) is not None}
+        return {**known, **self.extra}
 
 
 @dataclass
@@ -77,6 +86,20 @@ def build_datasets(dc):
         raise DataError(f"data set {dc.dataset!r} in {dc.data_dir} has {len(train)} training and {len(val)} "
                         f"validation samples; both must be non-empty")
     return train, val, DataInfo(channels, classes, size, len(train), len(val))
+
+
+def users_datasets(train, val, facts, dc):
+    """(train, val, DataInfo) from a user's data set factory's sets and facts: without a validation set, the
+    training set is split by dc.val_fraction and dc.split_seed, as the built-in sets without a split are."""
+    if val is None:
+        train_idx, val_idx = split_indices(len(train), dc.val_fraction, dc.split_seed)
+        train, val = Subset(train, train_idx), Subset(train, val_idx)
+    if len(train) == 0 or len(val) == 0:
+        raise DataError(f"data set {dc.dataset!r} has {len(train)} training and {len(val)} validation samples; both "
+                        f"must be non-empty")
+    facts = dict(facts)
+    image = [facts.pop(name, None) for name in IMAGE_FACTS]
+    return train, val, DataInfo(*image, len(train), len(val), extra=facts)
 
 
 def _worker_context(workers):

@@ -9,5 +9,16 @@ run_dir     every file a run writes, claiming the directory, and the one atomic 
 checkpoint  one save and one load
 reporting   metrics.jsonl, TensorBoard, the curves, the setup lines and summary.json
 modes/      elastic, evaluate, benchmark (the fixed-size training run is in train_hvd.py)
+plugins     how a model, data set or task is named (one that ships, or package.module:name) and built
+tasks       the task interface, and classification and the VAE written against it
+weights     --init-from and --freeze
+api         hvd_train.run(): the app around the objects of a user's own script
 Horovod itself is used only through hvd_utils.
 """
+
+
+def run(model=None, train_set=None, val_set=None, task=None, facts=None, argv=None):
+    """The app around a user's own objects; see hvd_train/api.py. Returns the exit code."""
+    from hvd_train.api import run as run_app
+
+    return run_app(model=model, train_set=train_set, val_set=val_set, task=task, facts=facts, argv=argv)

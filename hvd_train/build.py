@@ -2,33 +2,47 @@
 
 Each mode calls only the builders it uses (evaluation builds no optimizer; elastic training its own sampler).
 """
+import logging
 import os
 import shutil
 
 import torch
 
 import hvd_utils
-from data import DATASETS, LoaderSpec, build_datasets, build_loaders, download_fn
+from torch import nn
+from torch.utils.data import IterableDataset
+
+from data import DATASETS, LoaderSpec, build_datasets, build_loaders, download_fn, users_datasets
+from hvd_train import tasks
 from hvd_train.engine import StepOptions, Trainer
 from hvd_train.errors import ConfigError
+from hvd_train.plugins import call, import_attribute, is_import_path, resolve
 from hvd_train.profiling import StepProfiler
 from hvd_train.run_dir import RunDir
 from hvd_train.schedule import LRSchedule
-from hvd_train.tasks import TASKS
-from models import MODELS, build_model, model_names, model_task, to_channels_last
+from hvd_train.weights import freeze, load_matching
+import models
+
+log = logging.getLogger("hvd_train")
 
 
 def check_choices(cfg):
-    """Unknown names and impossible combinations fail here, before any rank starts Horovod."""
-    # The built-in models first: naming one must not need torchvision (a site's own torch may come without it).
-    if cfg.model.name not in MODELS and cfg.model.name not in model_names():
-        raise ConfigError(f"--model={cfg.model.name!r} is not known; choose small_cnn, vae or a torchvision "
-                          f"classification model ({', '.join(model_names()[2:8])}, ...)")
-    if cfg.data.dataset not in DATASETS:
-        raise ConfigError(f"--dataset={cfg.data.dataset!r} is not known; choose one of: {', '.join(DATASETS)}")
+    """Unknown names, plug-ins that do not import and impossible combinations fail here, before any rank starts
+    Horovod."""
+    model_factory(cfg)
+    build_task(cfg)
+    if is_import_path(cfg.data.dataset):
+        import_attribute(cfg.data.dataset, "--dataset")
+    elif cfg.data.dataset not in DATASETS:
+        raise ConfigError(f"--dataset={cfg.data.dataset!r} is not known; choose one of: {', '.join(DATASETS)}, or "
+                          f"give your own factory as package.module:name (importable from the working directory "
+                          f"or PYTHONPATH)")
+    elif cfg.data.args:
+        raise ConfigError(f"data.args (--data-args) is for your own data set factory (--dataset "
+                          f"package.module:name); {cfg.data.dataset} takes its settings from the data.* fields")
     # Data sets that live in files need --data-dir to be a directory (or absent, to be downloaded into).
-    if cfg.data.dataset not in ("digits", "synthetic") and os.path.exists(cfg.data.data_dir) and \
-            not os.path.isdir(cfg.data.data_dir):
+    if cfg.data.dataset in DATASETS and cfg.data.dataset not in ("digits", "synthetic") and \
+            os.path.exists(cfg.data.data_dir) and not os.path.isdir(cfg.data.data_dir):
         later = " (or will, with --download)" if cfg.data.download else ""
         raise ConfigError(f"--data-dir {cfg.data.data_dir}: is a file, not a directory; give the directory that "
                           f"holds the {cfg.data.dataset} data set{later}")
@@ -64,18 +78,39 @@ def check_shards(num_train, world_size, batch_per_step):
                           f"samples; lower --batch-size or use fewer ranks")
 
 
+def model_factory(cfg):
+    """The factory --model names: one that ships, timm/NAME, or the user's package.module:name."""
+    return resolve(cfg.model.name, models.find_model, "--model", models.CHOICES)
+
+
+def build_task(cfg):
+    """The task --task names (or the model's own), ready for the training loop."""
+    name = cfg.model.task or models.model_task(cfg.model.name)
+    return tasks.build_task(resolve(name, tasks.find_task, "--task", tasks.CHOICES), name, cfg.model.task_args)
+
+
 def build_model_for(cfg, info, device):
-    """The configured model for info's images, on `device` (with hvd.SyncBatchNorm layers under --sync-bn, laid
-    out channels-last under --channels-last)."""
+    """The configured model for info's data, on `device` (with hvd.SyncBatchNorm layers under --sync-bn, laid
+    out channels-last under --channels-last). Its factory gets the data's facts it names and --model-args."""
+    name = cfg.model.name
     try:
-        model = build_model(cfg.model.name, info.in_channels, info.num_classes, info.image_size)
-    except ValueError as e:  # e.g. an image size the model cannot take: a setting to change, not a crash
-        raise ConfigError(str(e)) from None
+        model = call(model_factory(cfg), info.facts(), cfg.model.args, "--model-args", name)
+    except TypeError as e:  # torchvision's or timm's constructor refusing an argument it does not know
+        if is_import_path(name) or not cfg.model.args:
+            raise
+        raise ConfigError(f"--model-args {cfg.model.args}: {name} does not take them ({e})") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model={name!r}: the factory returned a {type(model).__name__}, not a torch.nn.Module")
+    if not is_import_path(name) and info.in_channels and info.image_size:
+        try:  # e.g. an image size the model cannot take: a setting to change, not a crash
+            model = models.checked(name, model, info.in_channels, info.image_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.horovod.sync_bn:
         model = hvd_utils.sync_batch_norm(model)
     if cfg.model.channels_last:
         try:
-            model = to_channels_last(model)
+            model = models.to_channels_last(model)
         except ValueError as e:
             raise ConfigError(f"model.channels_last (--channels-last): {cfg.model.name}: {e}; leave it off") from None
     model = model.to(device)  # keeps the weights' layout
@@ -132,13 +167,28 @@ def build_trainer(cfg, info, rt):
     """Model (on rt.device), task, Horovod-wrapped optimizer, learning-rate schedule and fp16 scaler for rt.size
     ranks. Every rank gets its own random weights here: a mode broadcasts rank 0's (or a checkpoint's) next."""
     model = build_model_for(cfg, info, rt.device)
+    if cfg.model.freeze_patterns:  # before the optimizer: frozen parameters are not given to it
+        frozen = freeze(model, cfg.model.freeze_patterns)
+        log.info("--freeze %s: %d tensor(s) of %.2fM parameters kept fixed: %s", cfg.model.freeze, len(frozen),
+                 sum(p.numel() for n, p in model.named_parameters() if n in frozen) / 1e6, ", ".join(frozen[:6]) +
+                 (f" and {len(frozen) - 6} more" if len(frozen) > 6 else ""))
     # Horovod: the learning rate scaled with the global batch; gradients averaged across ranks by the optimizer.
     optimizer = build_distributed_optimizer(cfg, model, rt.size)
-    return Trainer(model=model, task=TASKS[model_task(cfg.model.name)], optimizer=optimizer,
+    return Trainer(model=model, task=build_task(cfg), optimizer=optimizer,
                    schedule=LRSchedule(cfg.optim, lr_scale(cfg, rt.size)), device=rt.device,
                    opts=StepOptions.from_config(cfg, rt.is_main), epochs=cfg.optim.epochs,
                    scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None,
                    profiler=StepProfiler(cfg, rt, RunDir(cfg.run.output_dir).profile) if cfg.profile.enabled else None)
+
+
+def load_initial_weights(cfg, model):
+    """--init-from: rank 0 reads the file into its model and says what matched; an error stops every rank. The
+    caller then broadcasts rank 0's weights (Horovod), so the file is read once, wherever it is."""
+    if not cfg.model.init_from:
+        return
+    report = hvd_utils.decide_on_root(lambda: load_matching(model, cfg.model.init_from), "init_from")
+    for line in report.lines(cfg.model.init_from):
+        log.info(line)
 
 
 def loader_spec(cfg, device):
@@ -149,11 +199,42 @@ def loader_spec(cfg, device):
 
 def prepare_data(cfg):
     """(train set, val set, DataInfo); a missing data set is fetched first where --download says so."""
+    if is_import_path(cfg.data.dataset):
+        return users_data(cfg)
     if cfg.data.download and download_fn(cfg.data.dataset) is not None:
         # Horovod: one download per host, into the shared --data-dir; the other ranks on the host wait for it.
         hvd_utils.run_on_local_root(lambda: download_fn(cfg.data.dataset)(cfg.data.data_dir),
                                     f"downloading {cfg.data.dataset}")
     return build_datasets(cfg.data)
+
+
+def users_data(cfg):
+    """The user's data set factory, called with the facts it names (data_dir, image_size where set, seed) and
+    --data-args; it returns (train, val) or (train, val, facts), val None for the app's split."""
+    name = cfg.data.dataset
+    facts = {"data_dir": cfg.data.data_dir, "seed": cfg.run.seed}
+    if cfg.data.image_size:
+        facts["image_size"] = cfg.data.image_size
+    made = call(import_attribute(name, "--dataset"), facts, cfg.data.args, "--data-args", name)
+    if not isinstance(made, (tuple, list)) or len(made) not in (2, 3) or \
+            (len(made) == 3 and not isinstance(made[2], dict)):
+        raise ConfigError(f"--dataset={name!r}: the factory must return (train, val) or (train, val, facts) with "
+                          f"facts a dict such as {{'num_classes': 10}}; it returned {_describe(made)}")
+    for split, dataset in zip(("training", "validation"), made[:2]):
+        if split == "validation" and dataset is None:
+            continue  # the app splits the training set
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or \
+                not hasattr(dataset, "__getitem__"):
+            raise ConfigError(f"--dataset={name!r}: the {split} set ({type(dataset).__name__}) has no __len__ and "
+                              f"__getitem__: hvd-train shards a data set by index (DistributedSampler), so it must "
+                              f"be map-style; wrap a stream in a map-style Dataset, or shard its files yourself")
+    return users_datasets(made[0], made[1], made[2] if len(made) == 3 else {}, cfg.data)
+
+
+def _describe(value):
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}: ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
 
 
 def build_data(cfg, rt):

@@ -20,6 +20,10 @@ from hvd_train.errors import CheckpointError
 from hvd_train.run_dir import atomic_write, reported_write
 
 VERSION = 1
+# The setting behind each field a checkpoint must share with the run that loads it (run_state.checkpoint_fits).
+FIT_SETTINGS = {"model_name": "--model", "task": "--task", "dataset": "--dataset", "optimizer_name": "--optimizer",
+                "num_classes": "the data set's num_classes", "in_channels": "the data set's in_channels",
+                "image_size": "--image-size"}
 
 
 def rng_state():

@@ -35,6 +35,8 @@ def _choice(name, value, choices):
 
 def opt(default, help):
     """A field with its default and its meaning: the --help text and the documentation of the field."""
+    if isinstance(default, dict):  # keyword arguments for a plug-in: a fresh (empty) mapping per config
+        return field(default_factory=dict, metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 
@@ -62,7 +64,9 @@ class _Section:
 
 @dataclass
 class DataConfig(_Section):
-    dataset: str = opt("digits", "digits, synthetic, mnist, cifar10, stl10 or imagefolder (see data.DATASETS)")
+    dataset: str = opt("digits", "digits, synthetic, mnist, cifar10, stl10, imagefolder, or your own factory as "
+                       "package.module:name (README: Bring your own model, data and task)")
+    args: dict = opt({}, "keyword arguments for your own data set factory: key=value,... (a mapping in a recipe)")
     data_dir: str = opt("datasets", "where data sets are read from (and downloaded to with --download)")
     download: bool = opt(False, "fetch a missing data set (local rank 0 of each host; the others wait)")
     image_size: int = opt(0, "side of the square images fed to the model, in pixels; 0: the data set's own")
@@ -88,7 +92,19 @@ class DataConfig(_Section):
 
 @dataclass
 class ModelConfig(_Section):
-    name: str = opt("small_cnn", "small_cnn, vae, or any torchvision classification model (resnet18, resnet50, ...)")
+    name: str = opt("small_cnn", "small_cnn, vae, a torchvision classification model (resnet18, ...), timm/NAME "
+                    "(any timm model), or your own factory as package.module:name, called with the data set's "
+                    "facts it names (num_classes, in_channels, image_size, ...) and --model-args")
+    args: dict = opt({}, "keyword arguments for the model factory: key=value,... (values read as YAML: 4, 0.1, true, "
+                     "text; a mapping in a recipe)")
+    task: str = opt("", "what the model is trained to do: classification, vae, or your own task class as "
+                    "package.module:Name; empty: the model's own (vae for vae, else classification)")
+    task_args: dict = opt({}, "keyword arguments for the task class: key=value,...")
+    init_from: str = opt("", "start from the weights in this local file (.pt/.pth state dict, .safetensors, or an "
+                         "hvd-train checkpoint): tensors whose name and shape match are loaded, the rest (a head for "
+                         "another number of classes) stay freshly initialised; rank 0 reads, the others receive")
+    freeze: str = opt("", "parameters to keep fixed, by name: globs separated by commas (conv1.*,bn1.*); they are "
+                      "left out of the optimizer and of Horovod's allreduce")
     channels_last: bool = opt(False, "weights and batches in channels-last (NHWC) memory: faster --amp convs on GPUs")
     compile: bool = opt(False, "torch.compile the model (the first steps compile; README says when it pays)")
     compile_mode: str = opt("default", "torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune, "
@@ -97,6 +113,11 @@ class ModelConfig(_Section):
     def __post_init__(self):
         super().__post_init__()
         _choice("model.compile_mode (--compile-mode)", self.compile_mode, COMPILE_MODES)
+
+    @property
+    def freeze_patterns(self):
+        """--freeze as a tuple of globs."""
+        return tuple(p.strip() for p in self.freeze.split(",") if p.strip())
 
     @property
     def compiled_as(self):
@@ -310,10 +331,16 @@ ALIASES = {
     "overwrite": "run.overwrite",
     "device": "run.device",
     "model": "model.name",
+    "model-args": "model.args",
+    "task": "model.task",
+    "task-args": "model.task_args",
+    "init-from": "model.init_from",
+    "freeze": "model.freeze",
     "channels-last": "model.channels_last",
     "compile": "model.compile",
     "compile-mode": "model.compile_mode",
     "dataset": "data.dataset",
+    "data-args": "data.args",
     "data-dir": "data.data_dir",
     "download": "data.download",
     "image-size": "data.image_size",
@@ -371,7 +398,26 @@ def _parse_int_tuple(text):
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers such as 30,60,80, got {text!r}")
 
 
-_PARSERS = {bool: _parse_bool, tuple: _parse_int_tuple, int: int, float: float, str: str}
+def _parse_mapping(text):
+    """key=value,key=value -> a dict; each value is read as YAML (4, 0.5, true, a word), so it arrives typed."""
+    import yaml
+
+    out = {}
+    for part in (p.strip() for p in str(text).split(",")):
+        key, sep, value = part.partition("=")
+        if not part:
+            continue
+        if not sep or not key.strip().isidentifier():
+            raise argparse.ArgumentTypeError(f"expected key=value pairs separated by commas, such as depth=4,"
+                                             f"dropout=0.1, got {part!r}")
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            out[key.strip()] = value
+    return out
+
+
+_PARSERS = {bool: _parse_bool, tuple: _parse_int_tuple, int: int, float: float, str: str, dict: _parse_mapping}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -403,11 +449,11 @@ def build_parser():
         if dest in alias_of:
             flags.insert(0, f"--{alias_of[dest]}")
         extra = {"nargs": "?", "const": True} if f.type is bool else {}  # `--download` alone means true
-        metavar = f.type.__name__.upper()
+        metavar = "KEY=VALUE,..." if f.type is dict else f.type.__name__.upper()
         if dest in CHOICES:
             extra["choices"] = CHOICES[dest]
             metavar = "{" + ",".join(CHOICES[dest]) + "}"
-        default = ",".join(map(str, f.default)) if f.type is tuple else f.default
+        default = ",".join(map(str, f.default)) if f.type is tuple else {} if f.type is dict else f.default
         groups[section].add_argument(
             *flags, dest=dest, type=_PARSERS[f.type], default=argparse.SUPPRESS, metavar=metavar,
             help=f"{f.metadata['help']} (default: {default!r})".replace("%", "%%"), **extra)
@@ -423,9 +469,11 @@ def _check_yaml_value(where, f, value):
         str: isinstance(value, str),
         tuple: isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool)
                                                         for v in value),
+        dict: isinstance(value, dict) and all(isinstance(k, str) and k.isidentifier() for k in value),
     }[f.type]
     if not ok:
-        raise ConfigError(f"{where}: expected {f.type.__name__}{' of whole numbers' if f.type is tuple else ''}, "
+        kind = {tuple: "tuple of whole numbers", dict: "mapping of names to values"}.get(f.type, f.type.__name__)
+        raise ConfigError(f"{where}: expected {kind}, "
                           f"got {type(value).__name__} {value!r}")
     if f.type is float:
         try:

@@ -93,7 +93,43 @@ def autocast(device, amp):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
-def train_step(trainer, images, labels):
+def to_device(batch, device):
+    """The batch's tensors on `device` (through tuples, lists and dicts); anything else as it is."""
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
+
+
+def split_batch(batch, parts):
+    """The batch cut into `parts` along its first dimension (fewer where it has fewer samples): each tensor is cut,
+    tuples, lists and dicts keep their shape, anything else goes into every part."""
+    first = _first_tensor(batch)
+    count = len(first.chunk(parts)) if first is not None else 1
+
+    def part(x, i):
+        if torch.is_tensor(x):
+            return x.chunk(parts)[i] if x.dim() else x
+        if isinstance(x, dict):
+            return {key: part(value, i) for key, value in x.items()}
+        if isinstance(x, (tuple, list)):
+            return type(x)(part(value, i) for value in x)
+        return x
+
+    return [part(batch, i) for i in range(count)]
+
+
+def _first_tensor(batch):
+    if torch.is_tensor(batch):
+        return batch if batch.dim() else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    return next((t for t in map(_first_tensor, values) if t is not None), None)
+
+
+def train_step(trainer, batch):
     """One optimizer step on one batch, split into `accumulate` backward passes; returns the batch's metric sums.
 
     Horovod's DistributedOptimizer allreduces each gradient after `accumulate` backward passes. The step then
@@ -103,14 +139,14 @@ def train_step(trainer, images, labels):
     t, opts = trainer, trainer.opts
     t.optimizer.zero_grad()  # Horovod's wrapper takes no arguments; torch's default sets the gradients to None
     sums = {}
-    n = labels.shape[0]
-    for chunk_images, chunk_labels in zip(images.chunk(opts.accumulate), labels.chunk(opts.accumulate)):
-        with autocast(images.device, opts.amp):
-            loss, outputs = t.task.losses(t.model, chunk_images, chunk_labels)
+    n = t.task.samples(batch)
+    for chunk in split_batch(batch, opts.accumulate) if opts.accumulate > 1 else [batch]:
+        with autocast(t.device, opts.amp):
+            loss, chunk_sums = t.task.step(t.model, chunk)
         # Weight each chunk by its share of the batch: the gradient is the batch mean, however it was split.
-        weighted = loss * (chunk_labels.shape[0] / n) if opts.accumulate > 1 else loss
+        weighted = loss * (chunk_sums["count"] / n) if opts.accumulate > 1 else loss
         (t.scaler.scale(weighted) if t.scaler is not None else weighted).backward()
-        for key, value in t.task.sums(loss, outputs, chunk_labels).items():
+        for key, value in chunk_sums.items():
             sums[key] = sums[key] + value if key in sums else value
 
     def before_step():
@@ -152,11 +188,10 @@ def train_one_epoch(trainer, loader, epoch, hooks):
     bar = tqdm(total=len(loader), desc=f"epoch {epoch}/{t.epochs}", unit="step", disable=not opts.show_progress,
                dynamic_ncols=True, leave=False, delay=quiet, mininterval=max(0.1, quiet))
     start = time.perf_counter()
-    for step, (images, labels) in enumerate(loader, 1):
+    for step, batch in enumerate(loader, 1):
         watchdog.tick()  # a batch in hand
         t.schedule.apply(t.optimizer, hooks.position(epoch, step - 1, len(loader)))
-        images, labels = images.to(t.device, non_blocking=True), labels.to(t.device, non_blocking=True)
-        _add(total, train_step(t, images, labels), t.device)
+        _add(total, train_step(t, to_device(batch, t.device)), t.device)
         hooks.after_step(epoch)
         if t.profiler is not None:
             t.profiler.step()
@@ -164,12 +199,12 @@ def train_one_epoch(trainer, loader, epoch, hooks):
         if step % opts.log_every == 0 or step == len(loader):
             # The one host sync every log_every steps: all ranks learn whether any loss went non-finite. A NaN or
             # infinite loss leaves the running loss sum non-finite for good, so checking the sum covers every step.
-            if hvd_utils.sum_across_ranks(~torch.isfinite(total["loss_sum"]), name="nonfinite") > 0:
+            if hvd_utils.sum_across_ranks(~torch.isfinite(total["loss"]), name="nonfinite") > 0:
                 bar.close()
                 raise NonFiniteLossError(f"the loss became NaN or infinite at epoch {epoch}, step {step} on at "
                                          f"least one rank; lower --lr, use --clip-grad, or check the data")
             seen = float(total["count"])
-            bar.set_postfix(loss=f"{float(total['loss_sum']) / max(1.0, seen):.4f}",
+            bar.set_postfix(loss=f"{float(total['loss']) / max(1.0, seen):.4f}",
                             lr=f"{t.optimizer.param_groups[0]['lr']:.3g}",
                             samples_s=f"{seen / (time.perf_counter() - start):.0f}", refresh=False)
     bar.close()
@@ -181,12 +216,11 @@ def evaluate(model, task, loader, device, amp="off"):
     """Evaluate on this rank's shard; returns this rank's metric sums."""
     model.eval()
     total = {}
-    for images, labels in loader:
+    for batch in loader:
         watchdog.busy()  # validation shards differ in size, so these batches are not counted progress points
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with autocast(device, amp):
-            loss, outputs = task.losses(model, images, labels)
-        _add(total, task.sums(loss, outputs, labels), device)
+            _, sums = task.step(model, to_device(batch, device))
+        _add(total, sums, device)
     return total
 
 
@@ -194,13 +228,14 @@ def evaluate_all(model, task, loader, device, amp="off"):
     """Evaluate across all ranks: exact global metrics (one allreduce; a rank with no samples adds zeros)."""
     local = evaluate(model, task, loader, device, amp)
     watchdog.tick()  # validation done
-    return averages(reduce_sums(task, local, name="val_sums"))
+    return task.finish(averages(reduce_sums(task, local, name="val_sums")))
 
 
 def reduce_sums(task, local, name):
     """Sum a task's metric sums over all ranks; every key is sent even where this rank has none."""
     zero = torch.zeros((), dtype=torch.float64)
-    return hvd_utils.allreduce_sums({k: local.get(k, zero) for k in task.keys}, name=name)
+    total = hvd_utils.allreduce_sums({k: local.get(k, zero) for k in task.keys}, name=name)
+    return {k: total[k] for k in task.keys}  # in the task's order: records and log lines show them so
 
 
 def fit(trainer, train_loader, val_loader, hooks, first_epoch=1):
@@ -233,7 +268,7 @@ def close_epoch(trainer, train_sums, val_loader, timing):
     log one line; returns the epoch's record. (After an elastic reset mid-epoch the training sums cover the steps
     since the reset; validation is always complete.)"""
     t = trainer
-    train = averages(reduce_sums(t.task, train_sums, name="train_sums"))
+    train = t.task.finish(averages(reduce_sums(t.task, train_sums, name="train_sums")))
     epoch_seconds = time.perf_counter() - timing.start
     hvd_utils.average_buffers(t.model)  # BatchNorm statistics agree before validation and checkpoints
     val = evaluate_all(t.model, t.task, val_loader, t.device, t.opts.amp)
@@ -254,9 +289,8 @@ def epoch_record(epoch, lr, epoch_seconds, train, val):
 def format_record(epoch, epochs, train, val, record):
     """One line per epoch: train and validation terms, top-1/top-5 where there are any, rate and time."""
     def terms(metrics):
-        names = sorted((k for k in metrics if k != "count"),
-                       key=lambda name: (name.startswith("acc"), name != "loss", name))  # loss first, then terms
-        return " ".join(f"top-{k[3:]} {metrics[k]:.2f}%" if k.startswith("acc") else f"{k} {metrics[k]:.4f}"
+        names = [k for k in metrics if k != "count"]  # the task's order: loss, its terms, its metrics
+        return " ".join(f"top-{k[3:]} {metrics[k]:.2f}%" if k in ("acc1", "acc5") else f"{k} {metrics[k]:.4f}"
                         for k in names)
 
     return (f"epoch {epoch}/{epochs}  train {terms(train)}  val {terms(val)}  lr {record['lr']:.4g}  "

@@ -1,6 +1,6 @@
 """Metrics from a task's sums: exact averages over every sample of every rank, and comparisons with the best.
 
-Keys ending in `_sum` become means per sample; `correct1`/`correct5` become percentages.
+Every sum but `count` becomes a mean per sample (a task reports accuracies as sums of 100 per hit: percentages).
 """
 
 
@@ -15,12 +15,8 @@ def reached(task, value, target):
 
 
 def averages(totals):
-    """Global sums -> per-sample means and accuracies in percent. With no samples, means are NaN and counts 0."""
+    """Global sums -> per-sample means (a task's loss, its terms and its metrics). With no samples: NaN, count 0."""
     count = totals.get("count", 0.0)
     out = {"count": int(count)}
-    for key, value in totals.items():
-        if key.endswith("_sum"):
-            out[key[:-4]] = value / count if count else float("nan")
-        elif key.startswith("correct"):
-            out["acc" + key[len("correct"):]] = 100.0 * value / count if count else 0.0
+    out.update({key: value / count if count else float("nan") for key, value in totals.items() if key != "count"})
     return out

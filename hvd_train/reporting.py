@@ -60,7 +60,8 @@ class Reporter:
             self.writer.flush()
 
     def plot(self, history):
-        """Loss curves (and accuracy, where the task has one) per epoch, to curves.png; returns its path."""
+        """Loss curves, and the validation metrics and loss terms where the task has any, per epoch, to
+        curves.png; returns its path."""
         if not self.enabled or not history:
             return None
         path = self.dir.curves
@@ -70,7 +71,7 @@ class Reporter:
         import matplotlib.pyplot as plt
 
         epochs = [r["epoch"] for r in history]
-        accs = [k for k in history[0] if k.startswith("val_acc")]
+        accs = [k for k in history[0] if k.startswith("val_") and k not in ("val_loss", "val_count")]
         fig, axes = plt.subplots(1, 2 if accs else 1, figsize=(11 if accs else 6, 4), squeeze=False)
         for key in ("train_loss", "val_loss"):
             axes[0][0].plot(epochs, [r[key] for r in history], marker="o", label=key.replace("_", " "))
@@ -79,7 +80,9 @@ class Reporter:
         if accs:
             for key in accs:
                 axes[0][1].plot(epochs, [r[key] for r in history], marker="o", label=key.replace("_", " "))
-            axes[0][1].set(xlabel="epoch", ylabel="percent", title="validation accuracy")
+            percent = all(k.startswith("val_acc") for k in accs)
+            axes[0][1].set(xlabel="epoch", ylabel="percent" if percent else "mean per sample",
+                           title="validation accuracy" if percent else "validation metrics")
             axes[0][1].legend()
         fig.tight_layout()
         fig.savefig(path, dpi=100)
@@ -116,6 +119,7 @@ def build_summary(cfg, rt, task, state, lr, fingerprints):
         "best_metric": task.best_metric, "best_value": state.best_metric, "best_epoch": state.best_epoch,
         "best_checkpoint": RunDir(cfg.run.output_dir).checkpoint("best.pt"),
         "final_val_loss": last["val_loss"],
+        "final_val": {k[4:]: v for k, v in last.items() if k.startswith("val_") and k != "val_count"},
         "train_samples_per_sec": sum(r["train_count"] for r in history) / sum(r["epoch_seconds"] for r in history),
         "params_in_sync": len(set(fingerprints)) == 1, "params_fingerprints": fingerprints,
         # The whole run's time (each part up to the checkpoint the next one resumed from), and this process's.
@@ -145,9 +149,9 @@ def log_setup(cfg, rt, info, trainer, resumed_epoch):
                                                      ("the cycle time", "HOROVOD_CYCLE_TIME"))
                               if var not in os.environ) or "nothing (both are fixed in the environment)",
                  f"; its log: {os.environ['HOROVOD_AUTOTUNE_LOG']}" if os.environ.get("HOROVOD_AUTOTUNE_LOG") else "")
-    log.info("data %s: %d train / %d val samples of %dx%dx%d; model %s (%s, %.2fM parameters)", cfg.data.dataset,
-             info.num_train, info.num_val, info.in_channels, info.image_size, info.image_size, cfg.model.name,
-             trainer.task.name, sum(p.numel() for p in trainer.model.parameters()) / 1e6)
+    log.info("data %s: %d train / %d val samples%s; model %s (task %s, %.2fM parameters)", cfg.data.dataset,
+             info.num_train, info.num_val, describe_samples(info), cfg.model.name, trainer.task.name,
+             sum(p.numel() for p in trainer.model.parameters()) / 1e6)
     log.info("batch %d per rank x %d ranks x %d per allreduce = %d global; lr %g base x %d = %g, %s schedule, "
              "%g warmup epochs; amp %s%s%s", cfg.optim.batch_size, rt.size, accumulate,
              cfg.optim.batch_size * rt.size * accumulate, cfg.optim.lr, lr_scale, cfg.optim.lr * lr_scale,
@@ -157,6 +161,15 @@ def log_setup(cfg, rt, info, trainer, resumed_epoch):
     if cfg.model.compile:
         log.info("torch.compile (mode %s): the first training step compiles the model (and the first validation "
                  "batch again, for eval mode), so epoch 1 takes longer", cfg.model.compile_mode)
+
+
+def describe_samples(info):
+    """' of 3x32x32, 10 classes' for images; the facts a user's data set gave otherwise."""
+    if info.in_channels and info.image_size:
+        shape = f" of {info.in_channels}x{info.image_size}x{info.image_size}"
+        return shape + (f", {info.num_classes} classes" if info.num_classes else "")
+    facts = {k: v for k, v in info.facts().items() if isinstance(v, (int, float, str, bool))}
+    return f" ({', '.join(f'{k} {v}' for k, v in facts.items())})" if facts else ""
 
 
 def finish(cfg, rt, trainer, state, reporter):

@@ -1,52 +1,169 @@
-"""What a model is trained to do: its loss, the per-batch sums its metrics are made of, and which metric is best.
+"""What a model is trained to do: its loss terms, its metrics, and which metric is best.
 
-A task's `sums` returns per-batch sums (never means) so that adding them over batches and ranks and dividing once
-gives exact averages (hvd_train.metrics turns them into means and percentages).
+A task is a class with
+
+    terms = ("loss",)              # the names of the loss terms loss() returns; training follows their sum
+    metrics = ()                   # the names of the metric sums metric_sums() returns
+    best_metric = "val_loss"       # what best.pt and --stop-at compare: val_ or train_ + "loss", a term or a metric
+    best_mode = "min"              # or "max"
+
+    def loss(self, model, batch):  # -> ({term: mean over the batch's samples}, outputs)
+    def metric_sums(self, outputs, batch):  # -> {metric: sum over the batch's samples}; optional without metrics
+
+    derived = ()                   # optional: names of figures made from an epoch's means (perplexity from loss)
+    def derive(self, means):       # -> {name: value}, from the means of the loss, the terms and the metrics
+
+`batch` is whatever the data set's samples collate to (a tuple, a dict of tensors), already on the device. The
+app multiplies each term by the batch's samples and adds the metric sums over batches and ranks; one division by
+the number of samples at the end of an epoch gives exact means (hvd_train.metrics), whatever the shard sizes. A
+batch's samples are the length of its first tensor unless the task has a `samples(batch)` method.
+The two tasks that ship, classification and the VAE, are written against this same interface.
 """
 import torch
 import torch.nn.functional as F
 
+from hvd_train.errors import ConfigError
+from hvd_train.plugins import call
+
 
 class Classification:
-    name = "classification"
-    keys = ("loss_sum", "correct1", "correct5", "count")
+    """Cross-entropy on logits; top-1 and top-5 accuracy in percent. batch: (inputs, class indices)."""
+    metrics = ("acc1", "acc5")
     best_metric, best_mode = "val_acc1", "max"
 
-    def losses(self, model, images, labels):
-        """(total loss for backward, outputs) for one batch."""
-        logits = model(images)
-        return F.cross_entropy(logits, labels), logits
+    def loss(self, model, batch):
+        inputs, labels = batch[0], batch[1]
+        logits = model(inputs)
+        return {"loss": F.cross_entropy(logits, labels)}, logits
 
-    def sums(self, loss, logits, labels):
+    def metric_sums(self, logits, batch):
+        labels = batch[1]
         # One topk serves both accuracies: its first column is the argmax.
-        hits = logits.detach().topk(min(5, logits.shape[1]), dim=1).indices == labels.unsqueeze(1)
-        return {
-            "loss_sum": loss.detach() * labels.shape[0],
-            "correct1": hits[:, 0].sum(),
-            "correct5": hits.any(dim=1).sum(),
-            "count": labels.shape[0],
-        }
+        hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels.unsqueeze(1)
+        return {"acc1": 100.0 * hits[:, 0].sum(), "acc5": 100.0 * hits.any(dim=1).sum()}
 
 
 class VAE:
-    """Variational autoencoder: loss = reconstruction (binary cross-entropy, summed over pixels) + KL divergence,
-    both per sample; the two terms are reduced and reported separately."""
-    name = "vae"
-    keys = ("loss_sum", "recon_sum", "kl_sum", "count")
+    """Variational autoencoder: reconstruction (binary cross-entropy, summed over pixels) and KL divergence, both
+    per sample, reported separately; the loss is their sum. batch: (images in [0, 1], anything)."""
+    terms = ("recon", "kl")
     best_metric, best_mode = "val_loss", "min"
 
-    def losses(self, model, images, labels):
+    def loss(self, model, batch):
+        images = batch[0]
         recon, mu, logvar = model(images)
         n = images.shape[0]
         target = images.clamp(0.0, 1.0)
         recon_loss = F.binary_cross_entropy(recon.float(), target.float(), reduction="sum") / n
         kl = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp()) / n
-        return recon_loss + kl, (recon_loss.detach(), kl.detach())
-
-    def sums(self, loss, terms, labels):
-        n = labels.shape[0]
-        recon, kl = terms
-        return {"loss_sum": loss.detach() * n, "recon_sum": recon * n, "kl_sum": kl * n, "count": n}
+        return {"recon": recon_loss, "kl": kl}, None
 
 
-TASKS = {"classification": Classification(), "vae": VAE()}
+TASKS = {"classification": Classification, "vae": VAE}
+CHOICES = "choose classification or vae"
+
+
+def find_task(name):
+    """The task class that ships with this name, or None."""
+    return TASKS.get(name)
+
+
+def samples_in(batch):
+    """The number of samples in a batch: the length of its first tensor (depth first through tuples, lists, dicts)."""
+    if torch.is_tensor(batch):
+        return batch.shape[0] if batch.dim() else 1
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    for item in items:
+        n = samples_in(item)
+        if n is not None:
+            return n
+    return None
+
+
+class RunTask:
+    """A task as the training loop drives it: step() gives the loss to train and the batch's sums, under the
+    names the app reduces and reports (count, loss, each term where there are several, each metric)."""
+
+    def __init__(self, task, name):
+        self.task, self.name = task, name
+        self.terms = tuple(getattr(task, "terms", ("loss",)))
+        self.metrics = tuple(getattr(task, "metrics", ()))
+        self.derived = tuple(getattr(task, "derived", ()))
+        check_task(task, name, self.terms, self.metrics, self.derived)
+        if self.derived and not callable(getattr(task, "derive", None)):
+            raise ConfigError(f"--task {name}: declares derived figures {list(self.derived)} but has no "
+                              f"derive(self, means) method that makes them from the epoch's means")
+        self.best_metric, self.best_mode = task.best_metric, task.best_mode
+        shown = self.terms if self.terms != ("loss",) else ()
+        self.keys = ("count", "loss") + shown + self.metrics
+
+    def finish(self, means):
+        """An epoch's means (from hvd_train.metrics.averages) with the task's derived figures added."""
+        if self.derived:
+            made = self.task.derive(dict(means))
+            if not isinstance(made, dict) or set(made) != set(self.derived):
+                shown = sorted(made) if isinstance(made, dict) else type(made).__name__
+                raise ConfigError(f"--task {self.name}: derive() must return the figures it declares, "
+                                  f"{list(self.derived)}; it returned {shown}")
+            means.update({k: float(v) for k, v in made.items()})
+        return means
+
+    def samples(self, batch):
+        """The number of samples in a batch."""
+        return self.task.samples(batch) if hasattr(self.task, "samples") else samples_in(batch)
+
+    def step(self, model, batch):
+        """(loss to backpropagate, {name: sum over this batch}) for one batch."""
+        terms, outputs = self.task.loss(model, batch)
+        if not isinstance(terms, dict) or set(terms) != set(self.terms):
+            got = sorted(terms) if isinstance(terms, dict) else type(terms).__name__
+            raise ConfigError(f"--task {self.name}: loss() must return ({{term: loss}}, outputs) with the terms it "
+                              f"declares, {list(self.terms)}; it returned {got}")
+        loss = sum(terms[t] for t in self.terms)
+        n = self.samples(batch)
+        sums = {"count": n, "loss": loss.detach() * n}
+        if self.terms != ("loss",):
+            sums.update({t: terms[t].detach() * n for t in self.terms})
+        if self.metrics:
+            with torch.no_grad():
+                got = self.task.metric_sums(outputs.detach() if torch.is_tensor(outputs) else outputs, batch)
+            if not isinstance(got, dict) or set(got) != set(self.metrics):
+                shown = sorted(got) if isinstance(got, dict) else type(got).__name__
+                raise ConfigError(f"--task {self.name}: metric_sums() must return the metrics it declares, "
+                                  f"{list(self.metrics)}; it returned {shown}")
+            sums.update(got)
+        return loss, sums
+
+
+def check_task(task, name, terms, metrics, derived=()):
+    """A task that cannot be driven is refused before training, with what to add."""
+    if not callable(getattr(task, "loss", None)):
+        raise ConfigError(f"--task {name}: has no loss(self, model, batch) method returning ({{term: loss}}, outputs)")
+    if metrics and not callable(getattr(task, "metric_sums", None)):
+        raise ConfigError(f"--task {name}: declares metrics {list(metrics)} but has no metric_sums(self, outputs, "
+                          f"batch) method returning their sums over the batch")
+    names = ("loss",) + (tuple(terms) if tuple(terms) != ("loss",) else ()) + tuple(metrics) + tuple(derived)
+    clash = next((n for n in names if names.count(n) > 1 or n == "count" or not n.isidentifier()), None)
+    if clash or not terms:
+        raise ConfigError(f"--task {name}: terms {list(terms)}, metrics {list(metrics)} and derived figures "
+                          f"{list(derived)} must be distinct names, not 'count', with at least one term")
+    choices = ", ".join(f"{split}_{n}" for split in ("val", "train") for n in names)
+    best = getattr(task, "best_metric", None)
+    if best is None:
+        raise ConfigError(f"--task {name}: declares no best_metric (what best.pt and --stop-at compare); add e.g. "
+                          f"best_metric = 'val_loss' and best_mode = 'min'. It can be one of: {choices}")
+    if best not in [f"{split}_{n}" for split in ("val", "train") for n in names]:
+        raise ConfigError(f"--task {name}: best_metric {best!r} is not a metric it reports; choose one of: {choices}")
+    if getattr(task, "best_mode", None) not in ("min", "max"):
+        raise ConfigError(f"--task {name}: best_mode must be 'min' or 'max' (whether a lower or a higher "
+                          f"{best} is better), not {getattr(task, 'best_mode', None)!r}")
+
+
+def builtin_task(name):
+    """A task that ships, ready for the training loop."""
+    return RunTask(TASKS[name](), name)
+
+
+def build_task(factory, name, args):
+    """The task a class (or a factory) makes with the --task-args, checked."""
+    return RunTask(call(factory, {}, args, "--task-args", name), name)

@@ -29,9 +29,10 @@ def _check_fits(ckpt, path, expect):
     """Every setting in `expect` the checkpoint records must match (older checkpoints record fewer)."""
     for key, value in expect.items():
         if key in ckpt and ckpt[key] != value:
+            setting = checkpoint.FIT_SETTINGS.get(key, key)
             raise CheckpointError(f"{path} was written with {key}={ckpt[key]!r}, this run has {key}={value!r}: a "
-                                  f"checkpoint fits only a run with the same {key}; use the checkpoint's setting, or "
-                                  f"another file")
+                                  f"checkpoint fits only a run with the same {key} ({setting}); use the "
+                                  f"checkpoint's setting, or another file")
 
 
 def load_checkpoint(path, model, expect, optimizer=None):

@@ -1,18 +1,32 @@
 """Model registry: pure nn.Modules built by name. Nothing here knows about Horovod or distribution.
 
-Each model has a task: "classification" (logits, cross-entropy, top-1/top-5) or "vae" (reconstruction + KL).
+Every model that ships is a factory called with keyword arguments, the data set's facts (in_channels, num_classes,
+image_size) and the user's extra ones (--model-args): the same way the app calls a user's own factory
+(hvd_train/plugins.py). Each has a task: "classification" (logits, cross-entropy, top-1/top-5) or "vae".
 """
+import functools
+
 import torch
 
 from models.small_cnn import SmallCNN
+from models.timm_models import build_timm, timm_names
 from models.torchvision_models import build_torchvision, probe, torchvision_names
 from models.vae import VAE
 
-# name -> (factory(in_channels, num_classes, image_size), task)
-MODELS = {
-    "small_cnn": (lambda in_channels, num_classes, image_size: SmallCNN(in_channels, num_classes), "classification"),
-    "vae": (lambda in_channels, num_classes, image_size: VAE(in_channels * image_size * image_size), "vae"),
-}
+
+def _small_cnn(in_channels, num_classes, image_size, width=32):
+    return SmallCNN(in_channels, num_classes, width)
+
+
+def _vae(in_channels, num_classes, image_size, hidden=400, latent=20):
+    return VAE(in_channels * image_size * image_size, hidden=hidden, latent=latent)
+
+
+MODELS = {"small_cnn": _small_cnn, "vae": _vae}  # name -> factory; torchvision's and timm's are found by name
+MODEL_TASKS = {"vae": "vae"}  # the task of a model that is not a classifier
+TIMM_PREFIX = "timm/"
+CHOICES = "choose small_cnn, vae, a torchvision classification model (resnet18, resnet50, mobilenet_v3_small, ...) " \
+          "or timm/NAME for any of timm's models (timm/resnet50d, timm/vit_tiny_patch16_224, ...)"
 
 
 def model_names():
@@ -20,18 +34,33 @@ def model_names():
 
 
 def model_task(name):
-    return MODELS[name][1] if name in MODELS else "classification"
+    """The task a model that ships is trained for (a user's model: classification unless --task says otherwise)."""
+    return MODEL_TASKS.get(name, "classification")
 
 
-def build_model(name, in_channels, num_classes, image_size):
-    """Build `name` for images of in_channels x image_size x image_size and num_classes classes."""
+def find_model(name):
+    """The factory of a model that ships with this name, or None. Naming a small model needs no torchvision."""
     if name in MODELS:
-        model = MODELS[name][0](in_channels, num_classes, image_size)
-    elif name in torchvision_names():
-        model = build_torchvision(name, in_channels, num_classes, image_size)
-    else:
-        raise ValueError(f"unknown model {name!r}; choose small_cnn, vae or a torchvision model such as resnet18, "
-                         f"resnet50, mobilenet_v3_small (--model)")
+        return MODELS[name]
+    if name.startswith(TIMM_PREFIX):
+        return functools.partial(build_timm, name[len(TIMM_PREFIX):]) if name[len(TIMM_PREFIX):] in timm_names() \
+            else None
+    if name in torchvision_names():
+        return functools.partial(build_torchvision, name)
+    return None
+
+
+def build_model(name, in_channels, num_classes, image_size, **args):
+    """Build model `name` that ships for images of in_channels x image_size x image_size and num_classes classes."""
+    factory = find_model(name)
+    if factory is None:
+        raise ValueError(f"unknown model {name!r}; {CHOICES} (--model)")
+    return checked(name, factory(in_channels=in_channels, num_classes=num_classes, image_size=image_size, **args),
+                   in_channels, image_size)
+
+
+def checked(name, model, in_channels, image_size):
+    """`model`, after one tiny batch went through it: one that cannot take this image size fails here."""
     try:
         probe(model, in_channels, image_size)
     except RuntimeError as e:

@@ -17,10 +17,11 @@ class _RepeatChannels(nn.Module):
         return x.expand(-1, 3, -1, -1)
 
 
-def build_torchvision(name, in_channels, num_classes, image_size):
+def build_torchvision(name, in_channels, num_classes, image_size, **kwargs):
+    """torchvision's model `name`, untrained, for num_classes classes; kwargs go to its constructor."""
     from torchvision.models import get_model
 
-    model = get_model(name, weights=None, num_classes=num_classes)
+    model = get_model(name, weights=None, num_classes=num_classes, **kwargs)
     # ResNets downsample 32x before the pooling head; on images under 64 px (CIFAR, MNIST, digits) that leaves
     # nothing to learn from, so use the small-image stem: a 3x3 stride-1 first conv and no max-pool.
     if image_size and image_size < 64 and hasattr(model, "conv1") and hasattr(model, "maxpool"):

@@ -55,11 +55,12 @@ def launch_command(launcher, np, args):
     raise ValueError(f"unknown launcher {launcher!r}; one of {LAUNCHERS}")
 
 
-def launch(launcher, np, script, *args, timeout=300, check=True, env=None):
-    """Run `script` (a path) with `args` under `launcher` with `np` ranks (`env`: extra variables for every rank);
-    returns the CompletedProcess. `timeout` only ends a hung job: no test may depend on how fast this machine is."""
+def launch(launcher, np, script, *args, timeout=300, check=True, env=None, cwd=ROOT):
+    """Run `script` (a path) with `args` under `launcher` with `np` ranks (`env`: extra variables for every rank),
+    from `cwd`; returns the CompletedProcess. `timeout` only ends a hung job: no test may depend on how fast this
+    machine is."""
     cmd = launch_command(launcher, np, [str(script)] + [str(a) for a in args])
-    proc = subprocess.run(cmd, cwd=ROOT, env={**job_env(), **(env or {})}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=cwd, env={**job_env(), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
@@ -67,9 +68,10 @@ def launch(launcher, np, script, *args, timeout=300, check=True, env=None):
     return proc
 
 
-def run_app(launcher, np, *args, check=True, env=None, timeout=300):
-    """train_hvd.py with QUIET and `args` under `launcher` with `np` ranks; returns the CompletedProcess."""
-    return launch(launcher, np, TRAIN, *QUIET, *args, check=check, env=env, timeout=timeout)
+def run_app(launcher, np, *args, check=True, env=None, timeout=300, cwd=ROOT):
+    """train_hvd.py with QUIET and `args` under `launcher` with `np` ranks, from `cwd`; returns the
+    CompletedProcess."""
+    return launch(launcher, np, TRAIN, *QUIET, *args, check=check, env=env, timeout=timeout, cwd=cwd)
 
 
 def app_output(output):
@@ -104,13 +106,15 @@ def app(monkeypatch, capfd):
     writes), which need no second rank: a real launch costs seconds of start-up, this costs none.
 
     Horovod runs its Gloo controller (MPI cannot start again in a process once it has shut down, Gloo can), and
-    whatever the run changes in the process (environment, signal handlers, logging, torch's threads) is put back.
+    whatever the run changes in the process (environment, signal handlers, logging, torch's threads, the module
+    search path and the plug-in modules it imported) is put back.
     Output is captured at the file descriptors, so Horovod's own lines are in it too."""
     import torch
     import train_hvd
 
     def run(*args, env=None):
         saved_env, threads = dict(os.environ), torch.get_num_threads()
+        saved_path, saved_modules = list(sys.path), set(sys.modules)
         handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         wakeup_fd = signal.set_wakeup_fd(-1)
         root = logging.getLogger()
@@ -132,6 +136,11 @@ def app(monkeypatch, capfd):
             root.handlers[:] = root_handlers
             root.setLevel(root_level)
             faulthandler.unregister(signal.SIGUSR1)
+            sys.path[:] = saved_path
+            for name in set(sys.modules) - saved_modules:  # a user's plug-in modules, which tests write afresh
+                where = getattr(sys.modules[name], "__file__", None)
+                if where and not where.startswith((sys.prefix, sys.base_prefix, str(ROOT))):
+                    del sys.modules[name]
         out = capfd.readouterr()
         return AppResult(exited.value.code, out.out, out.err)
 

@@ -3,15 +3,12 @@ Horovod, its checkpoints move between compiled and eager runs (elastic ones too)
 step's operators and the allreduce in both files."""
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import BIN, QUIET, ROOT, assert_refused, job_env, launch, read_json, run_app
-from test_elastic import worker_on
+from conftest import assert_refused, launch, read_json, run_app
+from test_elastic import elastic_run_losing_a_worker
 
 
 def train(launcher, np, out, *flags, check=True, env=None):
@@ -58,30 +55,8 @@ def test_a_compiled_run_resumes_into_an_eager_one_and_back(tmp_path):
 
 @pytest.mark.distributed
 def test_a_compiled_elastic_job_survives_a_lost_worker(tmp_path):
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text("localhost:1\n127.0.0.1:1\n")
-    env = {**job_env(), "HVD_HOSTS_FILE": str(hosts), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
-           str(ROOT / "hostfiles" / "discover_hosts.py"), sys.executable, str(ROOT / "train_hvd.py"), "--elastic",
-           "--compile", "--output-dir", str(out), "--epochs", "3", "--horovod.commit_every", "5", *QUIET]
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, killed = [], None
-    try:
-        for line in job.stdout:
-            lines.append(line)
-            if killed is None and "epoch 1/3" in line:  # epoch 1 is over: the kill lands in epoch 2
-                victim = worker_on("127.0.0.1", job.pid)
-                assert victim is not None, "no worker for 127.0.0.1"
-                os.kill(victim.pid, signal.SIGKILL)
-                killed = victim.pid
-        job.wait(timeout=120)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    output = "".join(lines)
-    assert killed is not None and job.returncode == 0, output[-3000:]
-    assert "workers changed: now 1" in output
+    elastic_run_losing_a_worker(tmp_path, "--compile", "--output-dir", out)
     summary = read_json(out / "summary.json")
     assert summary["compile"] == "default" and summary["elastic"]["resets"] >= 1
     assert [h["epoch"] for h in summary["history"]] == [1, 2, 3]

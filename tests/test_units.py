@@ -1,5 +1,6 @@
 """Pure pieces: learning-rate scaling and schedules, optimizers, tasks, models, checkpoints, reports."""
 import json
+import math
 import os
 
 import pytest
@@ -14,7 +15,7 @@ from hvd_train.metrics import averages
 from hvd_train.reporting import Reporter
 from hvd_train.run_dir import RunDir
 from hvd_train.schedule import LRSchedule, lr_factor
-from hvd_train.tasks import TASKS
+from hvd_train.tasks import builtin_task
 from hvd_utils import lr_scale
 from models import build_model, model_names, model_task
 
@@ -26,15 +27,15 @@ def test_learning_rate_scales_linearly_with_the_global_batch(world, accumulate, 
 
 
 def test_averages_divide_global_sums_by_the_global_count():
-    totals = {"loss_sum": 6.0, "correct1": 3.0, "correct5": 7.0, "count": 7.0}
+    totals = {"loss": 6.0, "acc1": 300.0, "acc5": 700.0, "count": 7.0}
     assert averages(totals) == {"loss": 6 / 7, "acc1": 300 / 7, "acc5": 100.0, "count": 7}
-    vae = averages({"loss_sum": 10.0, "recon_sum": 8.0, "kl_sum": 2.0, "count": 4.0})
+    vae = averages({"loss": 10.0, "recon": 8.0, "kl": 2.0, "count": 4.0})
     assert vae == {"loss": 2.5, "recon": 2.0, "kl": 0.5, "count": 4}
 
 
 def test_averages_of_nothing_are_not_a_division_by_zero():
-    result = averages({"loss_sum": 0.0, "correct1": 0.0, "correct5": 0.0, "count": 0.0})
-    assert result["count"] == 0 and result["acc1"] == 0.0
+    result = averages({"loss": 0.0, "acc1": 0.0, "acc5": 0.0, "count": 0.0})
+    assert result["count"] == 0 and math.isnan(result["acc1"]) and math.isnan(result["loss"])
 
 
 def lr(step, schedule, **kw):  # 10 steps per epoch, 10 epochs
@@ -91,7 +92,7 @@ def test_optimizers_by_name(name, cls):
 
 
 def trainer_for(model, optimizer, **opts):
-    return Trainer(model, TASKS["classification"], optimizer, schedule=None, device=torch.device("cpu"),
+    return Trainer(model, builtin_task("classification"), optimizer, schedule=None, device=torch.device("cpu"),
                    opts=StepOptions(**opts))
 
 
@@ -103,7 +104,7 @@ def test_gradient_accumulation_splits_the_batch_without_changing_the_gradient():
         torch.manual_seed(1)
         model = build_model("small_cnn", 1, 10, 8).eval()
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        sums = engine.train_step(trainer_for(model, optimizer, accumulate=accumulate), images, labels)
+        sums = engine.train_step(trainer_for(model, optimizer, accumulate=accumulate), (images, labels))
         assert int(sums["count"]) == 12
         results.append([p.detach().clone() for p in model.parameters()])
     for other in results[1:]:
@@ -116,7 +117,7 @@ def test_clipping_bounds_the_update():
     model = torch.nn.Linear(4, 2)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.train_step(trainer_for(model, optimizer, clip_grad=0.01), 100 * torch.randn(8, 4), torch.zeros(8).long())
+    engine.train_step(trainer_for(model, optimizer, clip_grad=0.01), (100 * torch.randn(8, 4), torch.zeros(8).long()))
     moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
     assert moved.norm() == pytest.approx(0.01, rel=1e-4)
 
@@ -132,9 +133,11 @@ def test_bf16_autocast_runs_the_forward_in_bfloat16_on_the_cpu():
 def test_vae_loss_has_reconstruction_and_kl_terms():
     model = build_model("vae", 1, 10, 8)
     images = torch.rand(5, 1, 8, 8)
-    loss, (recon, kl) = TASKS["vae"].losses(model, images, torch.zeros(5).long())
-    assert loss.item() == pytest.approx(recon.item() + kl.item(), rel=1e-6) and kl.item() >= 0
-    assert set(TASKS["vae"].sums(loss, (recon, kl), torch.zeros(5).long())) == set(TASKS["vae"].keys)
+    task = builtin_task("vae")
+    loss, sums = task.step(model, (images, torch.zeros(5).long()))
+    assert sums["loss"].item() == pytest.approx(sums["recon"].item() + sums["kl"].item(), rel=1e-6)
+    assert loss.item() == pytest.approx(sums["loss"].item() / 5, rel=1e-6) and sums["kl"].item() >= 0
+    assert set(sums) == set(task.keys) == {"count", "loss", "recon", "kl"}
     assert model_task("vae") == "vae" and model_task("resnet50") == "classification"
 
 

@@ -10,7 +10,7 @@ import logging
 
 import hvd_utils
 from data import build_loaders
-from hvd_train.build import build_trainer, check_shards, loader_spec, lr_scale, prepare_data
+from hvd_train.build import build_trainer, check_shards, load_initial_weights, loader_spec, lr_scale, prepare_data
 from hvd_train.engine import Hooks, fit
 from hvd_train.errors import ConfigError
 from hvd_train.reporting import finish, log_setup
@@ -118,6 +118,9 @@ def run(cfg, rt):
                 resume(resume_from, trainer, state, outputs.fits)
                 st.epoch, st.steps = state.epoch + 1, state.step
                 sampler.set_epoch(st.epoch)
+            elif cfg.model.init_from:
+                load_initial_weights(cfg, trainer.model)  # on rank 0, then to the others (the commit keeps them)
+                hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
             st.claimed = True
             take_roles()  # only now: rank 0's reporter writes into the directory it has claimed
             if elastic.world()[0] == 0:

@@ -4,13 +4,11 @@ import os
 
 import hvd_utils
 from data import build_loaders
-from hvd_train.build import build_model_for, loader_spec, prepare_data
+from hvd_train.build import build_model_for, build_task, loader_spec, prepare_data
 from hvd_train.engine import evaluate_all
 from hvd_train.errors import CheckpointError
 from hvd_train.run_dir import RunDir, write_json
 from hvd_train.run_state import checkpoint_fits
-from hvd_train.tasks import TASKS
-from models import model_task
 
 log = logging.getLogger("hvd_train")
 
@@ -22,7 +20,7 @@ def run(cfg, rt):
     path = hvd_utils.decide_on_root(lambda: run_dir.resolve(cfg.checkpoint.resume), "evaluate")
     if path is None:
         raise CheckpointError(f"--evaluate --resume auto: no checkpoint in {run_dir.checkpoints} to evaluate")
-    task = TASKS[model_task(cfg.model.name)]
+    task = build_task(cfg)
     model = build_model_for(cfg, info, rt.device)
     meta = hvd_utils.load_checkpoint(path, model, checkpoint_fits(cfg, info, task, continuing=False))
     metrics = evaluate_all(model, task, val_loader, rt.device, cfg.optim.amp)

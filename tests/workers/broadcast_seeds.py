@@ -12,7 +12,7 @@ import hvd_utils
 from models import build_model
 from hvd_train import engine
 from hvd_train.engine import StepOptions, Trainer
-from hvd_train.tasks import TASKS
+from hvd_train.tasks import builtin_task
 
 
 def momentum_buffers(optimizer):
@@ -25,8 +25,8 @@ def main(out_dir):
     model = build_model("small_cnn", 1, 10, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     # One local step on rank-specific random data, so every rank holds its own momentum state.
-    trainer = Trainer(model, TASKS["classification"], optimizer, None, torch.device("cpu"), StepOptions())
-    engine.train_step(trainer, torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,)))
+    trainer = Trainer(model, builtin_task("classification"), optimizer, None, torch.device("cpu"), StepOptions())
+    engine.train_step(trainer, (torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))))
     local_state = optimizer.state_dict()
     # Horovod's wrapper is a new optimizer over the same parameters, without the old one's state: load it back,
     # as a resume does, so each rank enters the broadcast with its own momentum.

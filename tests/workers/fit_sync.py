@@ -14,7 +14,7 @@ from data import LoaderSpec, build_datasets, build_loaders
 from hvd_train import engine
 from hvd_train.config import DataConfig, OptimConfig
 from hvd_train.schedule import LRSchedule
-from hvd_train.tasks import TASKS
+from hvd_train.tasks import builtin_task
 from models import build_model
 
 
@@ -26,8 +26,9 @@ def main(out_dir):
     model = build_model("small_cnn", info.in_channels, info.num_classes, info.image_size)
     optimizer = hvd_utils.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)
     hvd_utils.broadcast_state(model, optimizer)
-    trainer = engine.Trainer(model, TASKS["classification"], optimizer, LRSchedule(OptimConfig(epochs=2, lr=0.05), 1),
-                             torch.device("cpu"), engine.StepOptions(), epochs=2)
+    trainer = engine.Trainer(model, builtin_task("classification"), optimizer,
+                             LRSchedule(OptimConfig(epochs=2, lr=0.05), 1), torch.device("cpu"), engine.StepOptions(),
+                             epochs=2)
     engine.fit(trainer, train_loader, val_loader, engine.Hooks(sampler))
     torch.save(model.state_dict(), f"{out_dir}/rank{rt.rank}.pt")
     hvd_utils.shutdown()

@@ -17,7 +17,7 @@ from data.digits import load_digits_dataset
 from models import build_model, to_channels_last
 from hvd_train import engine
 from hvd_train.engine import StepOptions, Trainer
-from hvd_train.tasks import TASKS
+from hvd_train.tasks import builtin_task
 
 
 def main():
@@ -50,8 +50,8 @@ def main():
     images = torch.stack([digits[i][0] for i in range(lo, hi)])
     labels = torch.stack([digits[i][1] for i in range(lo, hi)])
     opts = StepOptions(accumulate=args.accumulate)
-    trainer = Trainer(model, TASKS["classification"], optimizer, None, images.device, opts)
-    engine.train_step(trainer, images, labels)
+    trainer = Trainer(model, builtin_task("classification"), optimizer, None, images.device, opts)
+    engine.train_step(trainer, (images, labels))
     if rt.is_main:
         torch.save(model.state_dict(), args.out_file)
     if args.every_rank:

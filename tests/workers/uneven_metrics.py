@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 import hvd_utils
 from data import LoaderSpec, build_loaders
 from hvd_train import engine
-from hvd_train.tasks import TASKS
+from hvd_train.tasks import builtin_task
 
 
 def fixed_samples(n):
@@ -33,7 +33,7 @@ def main(out_dir, n, batch):
     logits, labels = fixed_samples(n)
     dataset = TensorDataset(logits, labels)
     _, val_loader, _ = build_loaders(dataset, dataset, LoaderSpec(batch, seed=0), rt.rank, rt.size)
-    task, cpu = TASKS["classification"], torch.device("cpu")
+    task, cpu = builtin_task("classification"), torch.device("cpu")
     result = engine.evaluate_all(nn.Identity(), task, val_loader, cpu)
     result["local_count"] = float(engine.evaluate(nn.Identity(), task, val_loader, cpu).get("count", 0))
     with open(f"{out_dir}/rank{rt.rank}.json", "w") as f:

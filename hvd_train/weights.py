@@ -1,0 +1,115 @@
+"""Fine-tuning from weights the user has (--init-from) and freezing parameters by name (--freeze).
+
+Weights come from a local file, never a download: a state dict saved with torch.save (.pt, .pth; read weights-only,
+so the file cannot run code), a .safetensors file, or an hvd-train checkpoint. Tensors whose name and shape match
+are loaded; the others keep the model's fresh initialisation, and the report says which: a classifier head built for
+another number of classes is re-initialised that way.
+"""
+import fnmatch
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from hvd_train.errors import ConfigError
+
+log = logging.getLogger("hvd_train")
+WRAPPERS = ("module.", "_orig_mod.")  # DistributedDataParallel's and torch.compile's prefixes
+
+
+def read_state_dict(path):
+    """The tensors a weights file holds, by name."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--init-from {path}: no such file; give a local .pt, .pth or .safetensors file, or an "
+                          f"hvd-train checkpoint (runs/NAME/checkpoints/last.pt)")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(path, device="cpu")
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated file, another format, pickled code that weights_only refuses
+        raise ConfigError(f"--init-from {path}: cannot be read as weights ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else 'no detail'}); expected a state dict saved with "
+                          f"torch.save(model.state_dict(), path), a .safetensors file or an hvd-train checkpoint")
+    if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict) and "epoch" in loaded:
+        loaded = loaded["model"]  # an hvd-train checkpoint
+    elif isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):
+        loaded = loaded["state_dict"]  # the usual wrapper of other trainers' checkpoints
+    tensors = {k: v for k, v in loaded.items() if torch.is_tensor(v)} if isinstance(loaded, dict) else {}
+    if not tensors:
+        raise ConfigError(f"--init-from {path}: holds no tensors by name ({type(loaded).__name__}); save the weights "
+                          f"with torch.save(model.state_dict(), path)")
+    return {_unwrapped(k): v for k, v in tensors.items()}
+
+
+def _unwrapped(name):
+    for prefix in WRAPPERS:
+        while name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+@dataclass
+class InitReport:
+    loaded: list = field(default_factory=list)
+    reshaped: list = field(default_factory=list)  # (name, shape in the file, shape in the model)
+    missing: list = field(default_factory=list)   # in the model, not in the file
+    unused: list = field(default_factory=list)    # in the file, not in the model
+
+    def lines(self, path):
+        total = len(self.loaded) + len(self.reshaped) + len(self.missing)
+        yield f"--init-from {path}: loaded {len(self.loaded)} of the model's {total} tensors"
+        if self.reshaped:
+            yield "  re-initialised, another shape in the file (a head for another number of classes): " + ", ".join(
+                f"{n} {list(a)} -> {list(b)}" for n, a, b in self.reshaped)
+        if self.missing:
+            yield "  not in the file, left as initialised: " + _few(self.missing)
+        if self.unused:
+            yield "  in the file but not in the model, ignored: " + _few(self.unused)
+
+
+def _few(names, shown=8):
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def load_matching(model, path):
+    """Load into `model` every tensor of the file at `path` whose name and shape match; returns the InitReport."""
+    source = read_state_dict(path)
+    target = model.state_dict()
+    report, update = InitReport(), {}
+    for name, tensor in target.items():
+        key = _unwrapped(name)
+        if key not in source:
+            report.missing.append(key)
+        elif source[key].shape != tensor.shape:
+            report.reshaped.append((key, tuple(source[key].shape), tuple(tensor.shape)))
+        else:
+            update[name] = source[key]
+            report.loaded.append(key)
+    wanted = {_unwrapped(n) for n in target}
+    report.unused = [k for k in source if k not in wanted]
+    if not report.loaded:
+        raise ConfigError(f"--init-from {path}: none of its {len(source)} tensors fits this model (names such as "
+                          f"{_few(sorted(source), 3)}; the model has {_few(sorted(wanted), 3)}); is it the weights "
+                          f"of another architecture?")
+    model.load_state_dict(update, strict=False)
+    return report
+
+
+def freeze(model, patterns):
+    """Switch off the gradients of the parameters whose names match any glob in `patterns`; returns their names.
+    Frozen parameters are left out of the optimizer and so out of Horovod's allreduce."""
+    names = [n for n, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise ConfigError(f"--freeze {pattern!r} matches no parameter of the model; its names look like "
+                              f"{_few(names, 4)} (globs: conv1.*, layer1.*)")
+    frozen = [n for n, p in model.named_parameters() if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+    if len(frozen) == len(names):
+        raise ConfigError(f"--freeze {','.join(patterns)}: matches every parameter, so nothing would train")
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
+    return frozen

@@ -1,0 +1,241 @@
+"""Your model, your data, your task: plug-ins by import path, timm's models by name, and the examples/ projects
+trained as their READMEs say, with real 2-rank launches."""
+import inspect
+import math
+import textwrap
+
+import pytest
+import torch
+
+from conftest import QUIET, ROOT, assert_refused, launch, read_json, run_app
+from test_elastic import elastic_run_losing_a_worker
+
+EXAMPLES = ROOT / "examples"
+
+# A user's project, as tests write it into the working directory of the run.
+PLUGS = '''
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset, TensorDataset
+
+
+def net(in_channels, num_classes, image_size, hidden=16):
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size * image_size, hidden), nn.ReLU(),
+                         nn.Linear(hidden, num_classes))
+
+
+def notamodel(num_classes):
+    return 3
+
+
+def blobs(data_dir, seed, count=96):
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.arange(count) % 3
+    points = torch.randn(count, 2, generator=gen) * 0.3 + labels[:, None].float()
+    return TensorDataset(points, labels), None, {"num_classes": 3, "features": 2}
+
+
+def mlp(features, num_classes):
+    return nn.Linear(features, num_classes)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield torch.zeros(2), 0
+
+
+def streamed():
+    return Stream(), Stream(), {"num_classes": 3}
+
+
+def lonely():
+    return TensorDataset(torch.zeros(4, 2))
+
+
+class NoBest:
+    def loss(self, model, batch):
+        return {"loss": model(batch[0]).sum()}, None
+
+
+class WrongBest(NoBest):
+    best_metric, best_mode = "val_iou", "max"
+'''
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A folder holding the user's plug-ins module `plugs`, made the working directory (as a user launches from
+    their project)."""
+    (tmp_path / "plugs.py").write_text(PLUGS)
+    (tmp_path / "broken.py").write_text("import torch\nraise RuntimeError('the config server is down')\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--model", "nosuch_module:net"], ["--model='nosuch_module:net'", "cannot import nosuch_module",
+                                        "ModuleNotFoundError"]),
+    (["--model", "broken:net"], ["cannot import broken", "RuntimeError: the config server is down", "broken.py:2"]),
+    (["--model", "plugs:nett"], ["plugs", "has no 'nett'", "it defines:", "notamodel"]),
+    (["--model", "plugs"], ["--model='plugs' is not known", "package.module:name"]),
+    (["--model", "plugs:net", "--model-args", "depth=3"],
+     ["--model-args", "takes no argument 'depth'", "in_channels, num_classes, image_size, hidden"]),
+    (["--model", "small_cnn", "--model-args", "depth=3"], ["takes no argument 'depth'", "width"]),
+    (["--model", "timm/no_such_net"], ["--model='timm/no_such_net' is not known", "timm/NAME"]),
+    (["--model", "plugs:notamodel"], ["--model='plugs:notamodel'", "returned a int, not a torch.nn.Module"]),
+    (["--dataset", "plugs:blobs"], ["small_cnn needs 'in_channels'", "features=2", "--model-args"]),
+    (["--dataset", "plugs:streamed", "--model", "plugs:mlp"], ["training set (Stream) has no __len__", "map-style"]),
+    (["--dataset", "plugs:lonely"], ["must return (train, val) or (train, val, facts)", "TensorDataset"]),
+    (["--dataset", "digits", "--data-args", "count=3"], ["--data-args", "your own data set factory"]),
+    (["--task", "plugs:NoBest"], ["--task plugs:NoBest", "declares no best_metric", "val_loss"]),
+    (["--task", "plugs:WrongBest"], ["best_metric 'val_iou' is not a metric it reports", "val_loss, train_loss"]),
+    (["--task", "plugs:NoBest", "--task-args", "weight=2"], ["takes no argument 'weight'"]),
+])
+def test_a_bad_plugin_gets_one_message_before_training(project, app, args, needles):
+    result = app("--output-dir", project / "run", *args)
+    assert_refused(result, *needles)
+    assert "epoch 1/" not in result.stdout
+    assert not (project / "run" / "checkpoints").exists()
+
+
+def test_a_users_model_and_data_set_train_with_the_facts_they_name(project, app):
+    """blobs gives (features, num_classes) and no validation set: the app splits it (20%) and mlp gets both."""
+    result = app("--output-dir", project / "run", "--dataset", "plugs:blobs", "--data-args", "count=120",
+                 "--model", "plugs:mlp", "--epochs", "2", "--batch-size", "8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "96 train / 24 val samples (num_classes 3, features 2)" in result.stdout
+    summary = read_json(project / "run" / "summary.json")
+    assert summary["model"] == "plugs:mlp" and summary["dataset"] == "plugs:blobs"
+    assert summary["task"] == "classification" and summary["history"][-1]["val_count"] == 24
+
+
+def test_resuming_with_another_plugin_is_refused_with_the_setting_named(project, app):
+    common = ["--output-dir", project / "run", "--dataset", "plugs:blobs", "--model", "plugs:mlp",
+              "--batch-size", "8"]
+    assert app(*common, "--epochs", "1").returncode == 0
+    (project / "other.py").write_text("from plugs import mlp as other_mlp\n")
+    result = app(*common[:4], "--model", "other:other_mlp", "--batch-size", "8", "--epochs", "2", "--resume", "auto")
+    assert_refused(result, "model_name='plugs:mlp'", "model_name='other:other_mlp'", "(--model)")
+
+
+def test_timm_models_are_built_by_name_for_the_data(tmp_path, app):
+    result = app("--output-dir", tmp_path / "run", "--model", "timm/resnet10t", "--dataset", "synthetic",
+                 "--image-size", "32", "--data.synthetic_samples", "32", "--batch-size", "8", "--epochs", "1",
+                 "--model-args", "drop_rate=0.1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["model_name"] == "timm/resnet10t" and ckpt["model"]["fc.weight"].shape == (10, 512)
+    assert ckpt["config"]["model"]["args"] == {"drop_rate": 0.1}
+
+
+def resume_matches_straight(launcher, folder, recipe, tmp_path, *args):
+    """The example's recipe trained 2 epochs straight, and 1 epoch then resumed to 2, from the example's folder as
+    its README says: the same weights, bit for bit, and the same records. Returns the straight run's summary."""
+    common = ["--config", recipe, "--lr-schedule", "constant", *args]
+    run_app(launcher, 2, "--output-dir", tmp_path / "straight", "--epochs", "2", *common, cwd=folder)
+    run_app(launcher, 2, "--output-dir", tmp_path / "resumed", "--epochs", "1", *common, cwd=folder)
+    proc = run_app(launcher, 2, "--output-dir", tmp_path / "resumed", "--epochs", "2", "--resume", "auto", *common,
+                   cwd=folder)
+    assert "resuming after epoch 1" in proc.stdout, proc.stdout
+    straight, resumed = (torch.load(tmp_path / name / "checkpoints" / "last.pt", weights_only=True)
+                         for name in ("straight", "resumed"))
+    for name, value in straight["model"].items():
+        assert torch.equal(value, resumed["model"][name]), f"{name} differs after resuming"
+    summary = read_json(tmp_path / "straight" / "summary.json")
+    assert read_json(tmp_path / "resumed" / "summary.json")["history"][1]["val_loss"] == \
+        summary["history"][1]["val_loss"]
+    assert summary["world_size"] == 2 and summary["params_in_sync"]
+    return summary
+
+
+@pytest.mark.distributed
+def test_the_segmentation_example_trains_its_two_losses_and_resumes_exactly(tmp_path):
+    summary = resume_matches_straight("horovodrun-gloo", EXAMPLES / "shapes_segmentation", "shapes.yaml", tmp_path)
+    history = summary["history"]
+    for record in history:
+        for key in ("loss", "mask", "box", "iou", "box_iou"):
+            assert math.isfinite(record[f"train_{key}"]) and math.isfinite(record[f"val_{key}"]), (key, record)
+        assert record["train_loss"] == pytest.approx(record["train_mask"] + record["train_box"], rel=1e-6)
+        assert record["val_count"] == 128 and record["train_count"] == 512
+    assert history[-1]["val_loss"] < history[0]["val_loss"]
+    assert summary["task"] == "shapes:FindTheRectangle" and summary["best_metric"] == "val_iou"
+    assert summary["best_value"] == max(h["val_iou"] for h in history)
+    assert set(summary["final_val"]) == {"loss", "mask", "box", "iou", "box_iou"}
+
+
+@pytest.mark.distributed
+def test_the_language_model_example_reports_perplexity_and_resumes_exactly(tmp_path):
+    summary = resume_matches_straight("mpirun", EXAMPLES / "char_lm", "char_lm.yaml", tmp_path, "--data-args",
+                                      "stride=16")
+    for record in summary["history"]:
+        assert record["val_ppl"] == pytest.approx(math.exp(record["val_loss"]), rel=1e-9)
+        assert record["train_ppl"] == pytest.approx(math.exp(record["train_loss"]), rel=1e-9)
+    # Better than a uniform guess over the characters of the text after one epoch, and better still after two.
+    vocab = len(set(inspect.getsource(textwrap)))
+    first, last = summary["history"][0], summary["history"][-1]
+    assert last["val_loss"] < first["val_loss"] < math.log(vocab)
+    assert summary["best_metric"] == "val_loss" and set(summary["final_val"]) == {"loss", "ppl"}
+
+
+@pytest.mark.distributed
+def test_the_language_model_example_survives_a_lost_worker_in_elastic_mode(tmp_path):
+    """horovodrun --min-np 1 on two "hosts" (localhost and 127.0.0.1); the worker of one is killed in epoch 2, and
+    the user's model, data and task finish on the other from the last commit."""
+    elastic_run_losing_a_worker(tmp_path, "--config", "char_lm.yaml", "--data-args", "stride=16", "--output-dir",
+                                tmp_path / "run", cwd=EXAMPLES / "char_lm")
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert summary["world_size"] == 1 and summary["elastic"]["resets"] >= 1
+    assert summary["task"] == "char_lm:NextCharacter"
+    assert [h["epoch"] for h in summary["history"]] == [1, 2, 3]
+    assert all(h["val_ppl"] == pytest.approx(math.exp(h["val_loss"]), rel=1e-9) for h in summary["history"])
+
+
+USERS_SCRIPT = '''
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import hvd_train
+
+
+class Regression:
+    metrics = ("abs_err",)
+    best_metric, best_mode = "val_abs_err", "min"
+
+    def loss(self, model, batch):
+        inputs, targets = batch
+        predicted = model(inputs).squeeze(1)
+        return {"loss": nn.functional.mse_loss(predicted, targets)}, predicted
+
+    def metric_sums(self, predicted, batch):
+        return {"abs_err": (predicted - batch[1]).abs().sum()}
+
+
+if __name__ == "__main__":
+    gen = torch.Generator().manual_seed(0)
+    inputs = torch.randn(320, 3, generator=gen)
+    targets = inputs @ torch.tensor([1.0, -2.0, 0.5]) + 0.1
+    sys.exit(hvd_train.run(model=nn.Linear(3, 1), train_set=TensorDataset(inputs, targets), task=Regression()))
+'''
+
+
+@pytest.mark.distributed
+def test_a_users_own_script_gets_the_app_through_the_python_api(tmp_path):
+    """A script that builds its model, data and task and calls hvd_train.run(), launched by horovodrun on 2 ranks;
+    the settings come from its command line, and --resume auto continues it."""
+    script = tmp_path / "my_train.py"
+    script.write_text(USERS_SCRIPT)
+    common = [*QUIET, "--output-dir", tmp_path / "run", "--batch-size", "16", "--lr", "0.05", "--lr-schedule",
+              "constant"]
+    launch("horovodrun-gloo", 2, script, *common, "--epochs", "1", cwd=tmp_path)
+    proc = launch("horovodrun-gloo", 2, script, *common, "--epochs", "3", "--resume", "auto", cwd=tmp_path)
+    assert "resuming after epoch 1" in proc.stdout, proc.stdout
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert summary["model"] == "torch.nn.modules.linear:Linear" and summary["task"] == "__main__:Regression"
+    assert summary["world_size"] == 2 and summary["params_in_sync"]
+    history = summary["history"]
+    assert [h["epoch"] for h in history] == [1, 2, 3] and all(h["val_count"] == 64 for h in history)
+    assert history[-1]["val_abs_err"] < history[0]["val_abs_err"]
+    assert summary["best_metric"] == "val_abs_err" and summary["best_value"] == min(h["val_abs_err"] for h in history)
