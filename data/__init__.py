@@ -79,24 +79,26 @@ def build_datasets(dc):
     else:
         train, val, presplit = imagefolder.load(dc.data_dir, size, dc.skip_bad_files)
         classes = len(train.classes)
+    train, val = _held_out(train, val, presplit, dc, f" in {dc.data_dir}")
+    return train, val, DataInfo(channels, classes, size, len(train), len(val))
+
+
+def _held_out(train, val, presplit, dc, where):
+    """The two sets as given where the data set has its own split; else train's and val's views of the same samples
+    cut by dc.val_fraction and dc.split_seed (the same cut on every rank). Both must be non-empty."""
     if not presplit:
         train_idx, val_idx = split_indices(len(train), dc.val_fraction, dc.split_seed)
         train, val = Subset(train, train_idx), Subset(val, val_idx)
     if len(train) == 0 or len(val) == 0:
-        raise DataError(f"data set {dc.dataset!r} in {dc.data_dir} has {len(train)} training and {len(val)} "
-                        f"validation samples; both must be non-empty")
-    return train, val, DataInfo(channels, classes, size, len(train), len(val))
+        raise DataError(f"data set {dc.dataset!r}{where} has {len(train)} training and {len(val)} validation "
+                        f"samples; both must be non-empty")
+    return train, val
 
 
 def users_datasets(train, val, facts, dc):
     """(train, val, DataInfo) from a user's data set factory's sets and facts: without a validation set, the
     training set is split by dc.val_fraction and dc.split_seed, as the built-in sets without a split are."""
-    if val is None:
-        train_idx, val_idx = split_indices(len(train), dc.val_fraction, dc.split_seed)
-        train, val = Subset(train, train_idx), Subset(train, val_idx)
-    if len(train) == 0 or len(val) == 0:
-        raise DataError(f"data set {dc.dataset!r} has {len(train)} training and {len(val)} validation samples; both "
-                        f"must be non-empty")
+    train, val = _held_out(train, train if val is None else val, val is not None, dc, "")
     facts = dict(facts)
     image = [facts.pop(name, None) for name in IMAGE_FACTS]
     return train, val, DataInfo(*image, len(train), len(val), extra=facts)

@@ -7,11 +7,10 @@ import os
 import shutil
 
 import torch
-
-import hvd_utils
 from torch import nn
 from torch.utils.data import IterableDataset
 
+import hvd_utils
 from data import DATASETS, LoaderSpec, build_datasets, build_loaders, download_fn, users_datasets
 from hvd_train import tasks
 from hvd_train.engine import StepOptions, Trainer

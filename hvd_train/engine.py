@@ -20,6 +20,7 @@ import hvd_utils
 from hvd_train import watchdog
 from hvd_train.errors import NonFiniteLossError
 from hvd_train.metrics import averages
+from hvd_train.tasks import first_tensor
 
 log = logging.getLogger("hvd_train")
 
@@ -107,7 +108,7 @@ def to_device(batch, device):
 def split_batch(batch, parts):
     """The batch cut into `parts` along its first dimension (fewer where it has fewer samples): each tensor is cut,
     tuples, lists and dicts keep their shape, anything else goes into every part."""
-    first = _first_tensor(batch)
+    first = first_tensor(batch)
     count = len(first.chunk(parts)) if first is not None else 1
 
     def part(x, i):
@@ -120,13 +121,6 @@ def split_batch(batch, parts):
         return x
 
     return [part(batch, i) for i in range(count)]
-
-
-def _first_tensor(batch):
-    if torch.is_tensor(batch):
-        return batch if batch.dim() else None
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
-    return next((t for t in map(_first_tensor, values) if t is not None), None)
 
 
 def train_step(trainer, batch):

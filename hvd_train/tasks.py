@@ -68,16 +68,18 @@ def find_task(name):
     return TASKS.get(name)
 
 
-def samples_in(batch):
-    """The number of samples in a batch: the length of its first tensor (depth first through tuples, lists, dicts)."""
+def first_tensor(batch):
+    """The batch's first tensor with a batch dimension, depth first through tuples, lists and dicts; or None."""
     if torch.is_tensor(batch):
-        return batch.shape[0] if batch.dim() else 1
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
-    for item in items:
-        n = samples_in(item)
-        if n is not None:
-            return n
-    return None
+        return batch if batch.dim() else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    return next((t for t in map(first_tensor, values) if t is not None), None)
+
+
+def samples_in(batch):
+    """The number of samples in a batch: the length of its first tensor (1 where it holds no batched tensor)."""
+    first = first_tensor(batch)
+    return first.shape[0] if first is not None else 1
 
 
 class RunTask:
@@ -90,9 +92,6 @@ class RunTask:
         self.metrics = tuple(getattr(task, "metrics", ()))
         self.derived = tuple(getattr(task, "derived", ()))
         check_task(task, name, self.terms, self.metrics, self.derived)
-        if self.derived and not callable(getattr(task, "derive", None)):
-            raise ConfigError(f"--task {name}: declares derived figures {list(self.derived)} but has no "
-                              f"derive(self, means) method that makes them from the epoch's means")
         self.best_metric, self.best_mode = task.best_metric, task.best_mode
         shown = self.terms if self.terms != ("loss",) else ()
         self.keys = ("count", "loss") + shown + self.metrics
@@ -142,6 +141,9 @@ def check_task(task, name, terms, metrics, derived=()):
     if metrics and not callable(getattr(task, "metric_sums", None)):
         raise ConfigError(f"--task {name}: declares metrics {list(metrics)} but has no metric_sums(self, outputs, "
                           f"batch) method returning their sums over the batch")
+    if derived and not callable(getattr(task, "derive", None)):
+        raise ConfigError(f"--task {name}: declares derived figures {list(derived)} but has no derive(self, means) "
+                          f"method that makes them from the epoch's means")
     names = ("loss",) + (tuple(terms) if tuple(terms) != ("loss",) else ()) + tuple(metrics) + tuple(derived)
     clash = next((n for n in names if names.count(n) > 1 or n == "count" or not n.isidentifier()), None)
     if clash or not terms:

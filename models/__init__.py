@@ -43,8 +43,8 @@ def find_model(name):
     if name in MODELS:
         return MODELS[name]
     if name.startswith(TIMM_PREFIX):
-        return functools.partial(build_timm, name[len(TIMM_PREFIX):]) if name[len(TIMM_PREFIX):] in timm_names() \
-            else None
+        timm_name = name[len(TIMM_PREFIX):]
+        return functools.partial(build_timm, timm_name) if timm_name in timm_names() else None
     if name in torchvision_names():
         return functools.partial(build_torchvision, name)
     return None
