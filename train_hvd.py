@@ -62,7 +62,7 @@ def main(argv=None, cfg=None):
     # The output directory first: a path that cannot be written fails in one line, before data and model are built.
     # (An elastic worker checks alone: one that joins later must not run a collective outside Horovod's loop.)
     if cfg.horovod.elastic:
-        check_writable(cfg.run.output_dir)
+        check_writable(cfg.run.output_dir, tidy=False)
     else:
         hvd_utils.decide_on_root(lambda: check_writable(cfg.run.output_dir), "output_dir_check")
     if cfg.benchmark.enabled:

@@ -1,25 +1,39 @@
 """Data sets, the train/validation split and the per-rank loaders. No Horovod here: ranks are arguments."""
 import multiprocessing
 from dataclasses import dataclass, field
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from data import cifar10, imagefolder, mnist, stl10
+from data import cifar, mnist, stl10
 from data.digits import load_digits_dataset
 from data.errors import BadSampleError, DataError
 from data.samplers import ShardSampler
 from data.split import split_indices
 from data.synthetic import SyntheticDataset
 
-# name -> (channels, classes, native image size, download function or None); None where the config decides
+
+@dataclass(frozen=True)
+class Builtin:
+    """A data set that ships: what it tells the model (None where the config decides) and how it is read."""
+    channels: Optional[int]
+    classes: Optional[int]
+    size: int                                # native image size
+    load: Optional[Callable] = None          # (data_dir, image_size) -> (train, test), for the files on disk
+    download: Optional[Callable] = None      # (data_dir) -> None, for --download
+
+
 DATASETS = {
-    "digits": (1, 10, 8, None),
-    "synthetic": (None, None, 224, None),
-    "mnist": (1, 10, 28, mnist.download),
-    "cifar10": (3, 10, 32, cifar10.download),
-    "stl10": (3, 10, 96, stl10.download),
-    "imagefolder": (3, None, 224, None),
+    "digits": Builtin(1, 10, 8),
+    "synthetic": Builtin(None, None, 224),
+    "mnist": Builtin(1, 10, 28, partial(mnist.load, mnist.MNIST), partial(mnist.download, mnist.MNIST)),
+    "fashion_mnist": Builtin(1, 10, 28, partial(mnist.load, mnist.FASHION_MNIST),
+                             partial(mnist.download, mnist.FASHION_MNIST)),
+    "cifar10": Builtin(3, 10, 32, partial(cifar.load, cifar.CIFAR10), partial(cifar.download, cifar.CIFAR10)),
+    "cifar100": Builtin(3, 100, 32, partial(cifar.load, cifar.CIFAR100), partial(cifar.download, cifar.CIFAR100)),
+    "stl10": Builtin(3, 10, 96, stl10.load, stl10.download),
+    "imagefolder": Builtin(3, None, 224),
 }
 
 __all__ = ["DATASETS", "BadSampleError", "DataError", "DataInfo", "LoaderSpec", "build_datasets", "build_loaders",
@@ -53,15 +67,15 @@ class LoaderSpec:
 
 def download_fn(name):
     """The function that fetches data set `name` into a directory, or None where nothing is downloaded."""
-    return DATASETS[name][3]
+    return DATASETS[name].download
 
 
 def build_datasets(dc):
     """The train and validation sets described by a DataConfig, split the same way on every rank."""
     if dc.dataset not in DATASETS:
         raise DataError(f"unknown data set {dc.dataset!r}; choose one of: {', '.join(sorted(DATASETS))} (--dataset)")
-    channels, classes, native, _ = DATASETS[dc.dataset]
-    size = dc.image_size or native
+    builtin = DATASETS[dc.dataset]
+    channels, classes, size = builtin.channels, builtin.classes, dc.image_size or builtin.size
     presplit = True
     if dc.dataset == "digits":
         train = val = load_digits_dataset(dc.image_size)
@@ -70,13 +84,11 @@ def build_datasets(dc):
         channels, classes = dc.synthetic_channels, dc.synthetic_classes
         train = SyntheticDataset(dc.synthetic_samples, channels, size, classes, seed=0)
         val = SyntheticDataset(max(1, dc.synthetic_samples // 4), channels, size, classes, seed=1)
-    elif dc.dataset == "mnist":
-        train, val = mnist.load(dc.data_dir, dc.image_size)
-    elif dc.dataset == "cifar10":
-        train, val = cifar10.load(dc.data_dir, dc.image_size)
-    elif dc.dataset == "stl10":
-        train, val = stl10.load(dc.data_dir, dc.image_size)
+    elif builtin.load is not None:
+        train, val = builtin.load(dc.data_dir, dc.image_size)
     else:
+        from data import imagefolder  # torchvision's datasets take a second to import: only where they are read
+
         train, val, presplit = imagefolder.load(dc.data_dir, size, dc.skip_bad_files)
         classes = len(train.classes)
     train, val = _held_out(train, val, presplit, dc, f" in {dc.data_dir}")

@@ -6,7 +6,11 @@
 import logging
 import os
 
+from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+
 from data.errors import BadSampleError, DataError
+from data.layouts import contents
 
 log = logging.getLogger("hvd_train")
 
@@ -35,12 +39,14 @@ def read_image(path):
                              f"--data.skip_bad_files to leave out every file that does not decode") from None
 
 
+def is_image_file(path):
+    """Whether ImageFolder should read the file: an image extension, and not hidden (macOS leaves .DS_Store and
+    ._name.jpg resource forks beside images; editors leave .name.swp)."""
+    return not os.path.basename(path).startswith(".") and has_file_allowed_extension(path, IMG_EXTENSIONS)
+
+
 def decodes(path):
     """Whether the file is an image that decodes completely (a full decode: truncated files fail too)."""
-    from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
-
-    if not has_file_allowed_extension(path, IMG_EXTENSIONS):
-        return False
     try:
         read_image(path)
         return True
@@ -50,32 +56,60 @@ def decodes(path):
 
 def load(data_dir, image_size, skip_bad_files=False):
     """(train, val, presplit): train/ and val/ trees when present (presplit=True), else the whole tree twice, with
-    training and evaluation transforms, for the caller to split by index. With skip_bad_files every image is
-    decoded once here and those that fail are left out (and counted in the log)."""
-    from torchvision.datasets import ImageFolder
-
+    training and evaluation transforms, for the caller to split by index. Files that are not images by name are
+    ignored; with skip_bad_files every image is decoded once here and those that fail are left out (and counted)."""
     if not os.path.isdir(data_dir):
         raise DataError(f"image folder not found: {data_dir} does not exist (--data-dir)")
     train_dir, val_dir = os.path.join(data_dir, "train"), os.path.join(data_dir, "val")
     presplit = os.path.isdir(train_dir) and os.path.isdir(val_dir)
     if not presplit:
         train_dir = val_dir = data_dir
+    for root in dict.fromkeys((train_dir, val_dir)):
+        check_classes(root)
     bad = []
 
     def keep(path):
-        ok = decodes(path)
-        if not ok and path not in bad:
+        if not is_image_file(path):
+            return False
+        if not skip_bad_files or decodes(path):
+            return True
+        if path not in bad:
             bad.append(path)
-        return ok
+        return False
 
-    options = dict(loader=read_image, is_valid_file=keep if skip_bad_files else None)
     try:
-        train = ImageFolder(train_dir, transform=transforms(image_size, True), **options)
-        val = ImageFolder(val_dir, transform=transforms(image_size, False), **options)
-    except (FileNotFoundError, RuntimeError) as e:
-        raise DataError(f"image folder {data_dir}: {e}") from None
+        train = ClassFolders(train_dir, transform=transforms(image_size, True), loader=read_image, is_valid_file=keep)
+        val = ClassFolders(val_dir, transform=transforms(image_size, False), loader=read_image, is_valid_file=keep)
+    except FileNotFoundError as e:  # a class whose every image was left out as undecodable
+        raise DataError(f"image folder {data_dir}: {e}; {len(bad)} file(s) do not decode, e.g. {bad[:1]}: fix them "
+                        f"or remove those class folders") from None
     if bad:
         log.info("left out %d image(s) that do not decode (--data.skip_bad_files), e.g. %s", len(bad), bad[0])
     if train.classes != val.classes:
         raise DataError(f"{train_dir} and {val_dir} have different class folders")
     return train, val, presplit
+
+
+class ClassFolders(ImageFolder):
+    """torchvision's ImageFolder without hidden folders as classes (.ipynb_checkpoints, .snapshot, .Trash)."""
+
+    def find_classes(self, directory):
+        classes = class_folders(directory)
+        return classes, {name: i for i, name in enumerate(classes)}
+
+
+def class_folders(root):
+    return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+
+
+def check_classes(root):
+    """One folder per class, each holding at least one image file: else a message that names the folders."""
+    classes = class_folders(root)
+    if not classes:
+        raise DataError(f"image folder {root}: {contents(root)}, but no class folders; ImageFolder reads "
+                        f"{root}/<class>/<image> (one folder per class), optionally under train/ and val/")
+    empty = [c for c in classes if not any(is_image_file(os.path.join(folder, f))
+                                           for folder, _, files in os.walk(os.path.join(root, c)) for f in files)]
+    if empty:
+        raise DataError(f"image folder {root}: class folder(s) {', '.join(empty)} hold no image files ("
+                        f"{', '.join(IMG_EXTENSIONS)}); put images in them or remove them (each folder is a class)")

@@ -1,34 +1,79 @@
-"""MNIST in its original IDX files: <data_dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte."""
+"""MNIST and Fashion-MNIST in their IDX files, gzipped as published or unzipped, where torchvision keeps them
+(<data_dir>/MNIST/raw/, <data_dir>/FashionMNIST/raw/) or straight in --data-dir:
+{train,t10k}-images-idx3-ubyte and {train,t10k}-labels-idx1-ubyte.
+
+IDX: a big-endian header (two zero bytes, a type byte, 0x08 for uint8, the number of dimensions, then each
+dimension as a 32-bit integer), then the data.
+"""
+import gzip
 import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
 
 from data.arrays import ImageTensorDataset
+from data.download import fetch
 from data.errors import DataError
+from data.layouts import Layout, locate
 
 FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
-def raw_dir(data_dir):
-    return os.path.join(data_dir, "MNIST", "raw")
+@dataclass(frozen=True)
+class Idx:
+    title: str
+    folder: str       # torchvision's folder under --data-dir
+    mirrors_of: str   # the torchvision class whose mirror list --download uses
 
 
-def download(data_dir):
-    from torchvision.datasets import MNIST
-
-    MNIST(data_dir, train=True, download=True)
-    MNIST(data_dir, train=False, download=True)
+MNIST = Idx("MNIST", "MNIST", "MNIST")
+FASHION_MNIST = Idx("Fashion-MNIST", "FashionMNIST", "FashionMNIST")
 
 
-def load(data_dir, image_size=0):
-    missing = [f for f in FILES if not os.path.isfile(os.path.join(raw_dir(data_dir), f))]
-    if missing:
-        raise DataError(f"MNIST not found: {', '.join(missing)} missing in {raw_dir(data_dir)}. Run once with "
-                        f"--download (needs internet), or put the four unzipped IDX files there "
-                        f"(--data-dir sets the parent folder)")
-    from torchvision.datasets.mnist import read_image_file, read_label_file
+def layouts(spec):
+    return (Layout(os.path.join(spec.folder, "raw"), FILES, "torchvision's download", gzip_ok=True),
+            Layout("", FILES, "the files as published", gzip_ok=True))
 
+
+def read_idx(path, dims):
+    """The uint8 array in an IDX file with `dims` dimensions (.gz read as gzip)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a cut .gz ends in EOFError
+        raise DataError(f"{path}: cannot read it ({e}); the file is damaged, download it again") from None
+    header = 4 + 4 * dims
+    if len(raw) < header or raw[:2] != b"\0\0" or raw[2] != 0x08 or raw[3] != dims:
+        raise DataError(f"{path}: not a uint8 IDX file with {dims} dimension(s); expected one of {', '.join(FILES)}")
+    shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(dims))
+    if len(raw) - header != int(np.prod(shape)):
+        raise DataError(f"{path}: holds {len(raw) - header} bytes of data for shape {shape}; the file is truncated")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def load(spec, data_dir, image_size=0):
+    paths = locate(spec.title, data_dir, layouts(spec),
+                   f"Run once with --download (needs internet), or put the four IDX files in {data_dir}")
     splits = []
     for prefix in ("train", "t10k"):
-        images = read_image_file(os.path.join(raw_dir(data_dir), f"{prefix}-images-idx3-ubyte")).unsqueeze(1)
-        labels = read_label_file(os.path.join(raw_dir(data_dir), f"{prefix}-labels-idx1-ubyte"))
-        splits.append(ImageTensorDataset(images, labels, image_size=image_size))
+        images = read_idx(paths[f"{prefix}-images-idx3-ubyte"], 3)
+        labels = read_idx(paths[f"{prefix}-labels-idx1-ubyte"], 1)
+        if len(images) != len(labels):
+            raise DataError(f"{paths[f'{prefix}-images-idx3-ubyte']} holds {len(images)} images for {len(labels)} "
+                            f"labels in {paths[f'{prefix}-labels-idx1-ubyte']}; they must match")
+        splits.append(ImageTensorDataset(torch.from_numpy(images.copy()).unsqueeze(1),
+                                         torch.from_numpy(labels.astype(np.int64)), image_size=image_size))
     return splits
+
+
+def download(spec, data_dir):
+    from torchvision import datasets
+
+    source = getattr(datasets, spec.mirrors_of)
+    raw = os.path.join(data_dir, spec.folder, "raw")
+    for filename, md5 in source.resources:
+        fetch(spec.title, [mirror + filename for mirror in source.mirrors], raw,
+              f"download the four .gz files from {source.mirrors[0]} elsewhere and put them in {raw}",
+              filename=filename, md5=md5)

@@ -3,28 +3,27 @@
 X files hold uint8 images of 3x96x96 stored column-major (each channel is written column by column);
 y files hold one label byte per image, 1 to 10.
 """
-import os
-
 import numpy as np
 import torch
 
 from data.arrays import ImageTensorDataset
+from data.download import fetch
 from data.errors import DataError
+from data.layouts import Layout, locate
 
 URL = "http://ai.stanford.edu/~acoates/stl10/stl10_binary.tar.gz"
 FOLDER = "stl10_binary"
 SIDE = 96
+LAYOUT = Layout(FOLDER, ("train_X.bin", "train_y.bin", "test_X.bin", "test_y.bin"), "binary version")
 MEAN, STD = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
 
 
 def download(data_dir):
-    from torchvision.datasets.utils import download_and_extract_archive
-
-    download_and_extract_archive(URL, download_root=data_dir)
+    fetch("STL-10", [URL], data_dir, f"download it elsewhere and extract it into {data_dir} (it makes {FOLDER}/)")
 
 
-def read_split(folder, split):
-    x_path, y_path = os.path.join(folder, f"{split}_X.bin"), os.path.join(folder, f"{split}_y.bin")
+def read_split(paths, split):
+    x_path, y_path = paths[f"{split}_X.bin"], paths[f"{split}_y.bin"]
     pixels = np.fromfile(x_path, dtype=np.uint8)
     labels = np.fromfile(y_path, dtype=np.uint8).astype(np.int64) - 1
     if pixels.size != labels.size * 3 * SIDE * SIDE or labels.size == 0:
@@ -38,11 +37,7 @@ def read_split(folder, split):
 
 
 def load(data_dir, image_size=0):
-    folder = os.path.join(data_dir, FOLDER)
-    missing = [f for f in ("train_X.bin", "train_y.bin", "test_X.bin", "test_y.bin")
-               if not os.path.isfile(os.path.join(folder, f))]
-    if missing:
-        raise DataError(f"STL-10 not found: {', '.join(missing)} missing in {folder}. Run once with --download "
-                        f"(needs internet), or extract {URL} into {data_dir}")
-    return [ImageTensorDataset(*read_split(folder, split), image_size=image_size, mean=MEAN, std=STD)
+    paths = locate("STL-10", data_dir, (LAYOUT,),
+                   f"Run once with --download (needs internet), or extract {URL} into {data_dir}")
+    return [ImageTensorDataset(*read_split(paths, split), image_size=image_size, mean=MEAN, std=STD)
             for split in ("train", "test")]

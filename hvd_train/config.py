@@ -64,8 +64,8 @@ class _Section:
 
 @dataclass
 class DataConfig(_Section):
-    dataset: str = opt("digits", "digits, synthetic, mnist, cifar10, stl10, imagefolder, or your own factory as "
-                       "package.module:name (README: Bring your own model, data and task)")
+    dataset: str = opt("digits", "digits, synthetic, mnist, fashion_mnist, cifar10, cifar100, stl10, imagefolder, "
+                       "or your own factory as package.module:name (README: Bring your own model, data and task)")
     args: dict = opt({}, "keyword arguments for your own data set factory: key=value,... (a mapping in a recipe)")
     data_dir: str = opt("datasets", "where data sets are read from (and downloaded to with --download)")
     download: bool = opt(False, "fetch a missing data set (local rank 0 of each host; the others wait)")

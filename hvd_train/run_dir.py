@@ -110,11 +110,14 @@ def reported_write(path, then=""):
         raise CheckpointError(f"could not write {path}: {why}{then}") from None
 
 
-def check_writable(root):
-    """Create the output directory (rank 0, before any data or model is built) and prove a file can be written
-    there; raises CheckpointError naming the path and the reason."""
+def check_writable(root, tidy=True):
+    """Prove that the output directory can be made and written (rank 0, before any data or model is built). tidy:
+    leave no new directory behind, so a run that then stops on a data or setting error leaves the disk as it was
+    (not where several processes check at once: one would remove the directory under another's probe).
+    Raises CheckpointError naming the path and the reason."""
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"--output-dir {root}: is a file, not a directory; choose another --output-dir")
+    made = missing_parents(root) if tidy else []
     try:
         os.makedirs(root, exist_ok=True)
         probe = os.path.join(root, f".write-test.{os.getpid()}")
@@ -124,6 +127,22 @@ def check_writable(root):
     except OSError as e:
         raise CheckpointError(f"--output-dir {root}: cannot write there ({e.strerror or e}); choose a directory "
                               f"this user can create and write") from None
+    finally:
+        for directory in made:  # deepest first; each is empty again unless another process wrote there meanwhile
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
+
+
+def missing_parents(path):
+    """The directories makedirs(path) would create, deepest first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def atomic_write(path, write, binary=False, sync=False):

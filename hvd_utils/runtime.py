@@ -2,6 +2,7 @@
 import ctypes
 import math
 import os
+import pickle
 import sys
 from dataclasses import dataclass
 
@@ -213,8 +214,8 @@ def tensor_ops(device):
 def run_on_local_root(fn, what):
     """Run fn() on local rank 0 of each host while the other ranks wait (downloads into a shared directory).
 
-    A failure there is announced to every rank through one allreduce, so no rank waits forever for a download that
-    has died: the host that failed raises its own error, the others a short one naming what failed.
+    Every rank then raises the first failing host's error, so none waits forever for a download that has died, and
+    the job's one report (rank 0's, for the app's errors) names the real cause wherever it happened.
     """
     if hvd.size() == 1:
         return fn()
@@ -222,13 +223,20 @@ def run_on_local_root(fn, what):
     if hvd.local_rank() == 0:
         try:
             fn()
-        except Exception as e:  # re-raised below, after every rank has heard of it
-            error = e
-    failed = hvd.allreduce(torch.tensor([1.0 if error else 0.0]), op=hvd.Sum, name=f"local_root:{what}").item()
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"{what} failed on another host; see the message from its local rank 0")
+        except Exception as e:  # re-raised below on every rank, after all have heard of it
+            error = _portable(e)
+    errors = [e for e in hvd.allgather_object(error, name=f"local_root:{what}") if e is not None]
+    if errors:
+        raise errors[0]
+
+
+def _portable(error):
+    """The exception itself where it pickles (to travel to the other ranks), else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def shutdown():

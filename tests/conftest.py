@@ -55,11 +55,11 @@ def launch_command(launcher, np, args):
     raise ValueError(f"unknown launcher {launcher!r}; one of {LAUNCHERS}")
 
 
-def launch(launcher, np, script, *args, timeout=300, check=True, env=None, cwd=ROOT):
+def launch(launcher, np, script, *args, timeout=300, check=True, env=None, cwd=ROOT, offline=False):
     """Run `script` (a path) with `args` under `launcher` with `np` ranks (`env`: extra variables for every rank),
-    from `cwd`; returns the CompletedProcess. `timeout` only ends a hung job: no test may depend on how fast this
-    machine is."""
-    cmd = launch_command(launcher, np, [str(script)] + [str(a) for a in args])
+    from `cwd`, in a network namespace without network where `offline`; returns the CompletedProcess. `timeout`
+    only ends a hung job: no test may depend on how fast this machine is."""
+    cmd = (offline_shell() if offline else []) + launch_command(launcher, np, [str(script)] + [str(a) for a in args])
     proc = subprocess.run(cmd, cwd=cwd, env={**job_env(), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
@@ -68,10 +68,25 @@ def launch(launcher, np, script, *args, timeout=300, check=True, env=None, cwd=R
     return proc
 
 
-def run_app(launcher, np, *args, check=True, env=None, timeout=300, cwd=ROOT):
+def run_app(launcher, np, *args, check=True, env=None, timeout=300, cwd=ROOT, offline=False):
     """train_hvd.py with QUIET and `args` under `launcher` with `np` ranks, from `cwd`; returns the
     CompletedProcess."""
-    return launch(launcher, np, TRAIN, *QUIET, *args, check=check, env=env, timeout=timeout, cwd=cwd)
+    return launch(launcher, np, TRAIN, *QUIET, *args, check=check, env=env, timeout=timeout, cwd=cwd,
+                  offline=offline)
+
+
+def offline_shell():
+    """A command prefix that runs in a new network namespace whose only interface is loopback, as on an offline
+    machine: any attempt to reach the internet fails at once. (OpenMPI's compiler wrapper needs some interface.)"""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("unshare (util-linux) or ip (iproute2) is missing: cannot run without network")
+    prefix = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "offline"]
+    probe = subprocess.run(prefix + ["python3", "-c", "import socket; socket.create_connection(('pypi.org', 443), 5)"],
+                           capture_output=True, text=True)
+    if "Operation not permitted" in probe.stderr or "unshare failed" in probe.stderr:
+        pytest.skip(f"cannot make a network namespace here (needs root): {probe.stderr.strip()}")
+    assert probe.returncode != 0, "PyPI is reachable from inside the namespace: it is not offline"
+    return prefix
 
 
 def app_output(output):

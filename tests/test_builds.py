@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, job_env
+from conftest import ROOT, job_env, offline_shell
 
 # One worker builds each variant once (the fixtures are per module, and make test runs files side by side).
 pytestmark = [pytest.mark.build, pytest.mark.distributed, pytest.mark.timeout(2400), pytest.mark.xdist_group("builds")]
@@ -105,20 +105,6 @@ def torch_213_env(tmp_path_factory):
 def _base_python():
     """The interpreter the project venv was made from (a venv of a venv would see the project's packages)."""
     return getattr(sys, "_base_executable", None) or shutil.which("python3")
-
-
-def offline_shell():
-    """A command prefix that runs in a new network namespace whose only interface is loopback, as on an offline
-    machine: any attempt to reach PyPI fails at once. (OpenMPI's compiler wrapper needs some interface to exist.)"""
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        pytest.skip("unshare (util-linux) or ip (iproute2) is missing: cannot run the build without network")
-    prefix = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "offline"]
-    probe = subprocess.run(prefix + ["python3", "-c", "import socket; socket.create_connection(('pypi.org', 443), 5)"],
-                           capture_output=True, text=True)
-    if "Operation not permitted" in probe.stderr or "unshare failed" in probe.stderr:
-        pytest.skip(f"cannot make a network namespace here (needs root): {probe.stderr.strip()}")
-    assert probe.returncode != 0, "PyPI is reachable from inside the namespace: it is not offline"
-    return prefix
 
 
 def test_offline_build_against_an_installed_torch_2_13_then_a_2_rank_job(torch_213_env, tmp_path):

@@ -8,7 +8,8 @@ from data import DataError, LoaderSpec, build_datasets, build_loaders
 from data.digits import load_digits_dataset
 from data.samplers import ShardSampler
 from data.split import split_indices
-from formats import write_cifar10, write_image_folder, write_mnist, write_stl10
+from formats import (write_cifar10, write_cifar100_binary, write_cifar_python, write_desktop_litter,
+                     write_image_folder, write_mnist, write_stl10)
 
 
 def test_digits_are_the_1797_bundled_8x8_images_scaled_to_unit_range():
@@ -92,14 +93,84 @@ def test_synthetic_data_has_the_asked_shape_and_is_repeatable():
     assert torch.equal(train[3][0], image) and not torch.equal(train[4][0], image)
 
 
-def test_mnist_reads_the_idx_files(tmp_path):
-    written = write_mnist(tmp_path)
-    train, val, info = build_datasets(DataConfig(dataset="mnist", data_dir=str(tmp_path)))
-    assert (len(train), len(val), info.in_channels, info.image_size) == (64, 32, 1, 28)
-    image, label = train[5]
-    images, labels = written["train"]
-    assert int(label) == labels[5]
-    assert torch.allclose(image[0], torch.from_numpy(images[5]).float() / 255)
+@pytest.mark.parametrize("dataset,folder,gz", [("mnist", "MNIST/raw", False), ("mnist", "MNIST/raw", True),
+                                               ("mnist", "", True), ("fashion_mnist", "FashionMNIST/raw", True),
+                                               ("fashion_mnist", "", False)])
+def test_mnist_and_fashion_mnist_read_the_idx_files_gzipped_or_not_where_torchvision_or_the_authors_put_them(
+        tmp_path, dataset, folder, gz):
+    written = write_mnist(tmp_path, folder=folder, gz=gz)
+    train, val, info = build_datasets(DataConfig(dataset=dataset, data_dir=str(tmp_path)))
+    assert (len(train), len(val), info.in_channels, info.num_classes, info.image_size) == (64, 32, 1, 10, 28)
+    for split, name in ((train, "train"), (val, "t10k")):
+        images, labels = written[name]
+        image, label = split[5]
+        assert int(label) == labels[5]
+        assert torch.allclose(image[0], torch.from_numpy(images[5]).float() / 255)
+
+
+@pytest.mark.parametrize("damage,message", [(lambda b: b[:-7], "truncated"),
+                                            (lambda b: b"\0\0\x0d\3" + b[4:], "not a uint8 IDX file")])
+def test_a_damaged_idx_file_is_named(tmp_path, damage, message):
+    write_mnist(tmp_path)
+    path = tmp_path / "MNIST" / "raw" / "t10k-images-idx3-ubyte"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(DataError, match=f"t10k-images-idx3-ubyte: .*{message}"):
+        build_datasets(DataConfig(dataset="mnist", data_dir=str(tmp_path)))
+
+
+def test_a_cut_gzip_file_is_named(tmp_path):
+    write_mnist(tmp_path, gz=True)
+    path = tmp_path / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:-12])
+    with pytest.raises(DataError, match="train-labels-idx1-ubyte.gz: cannot read it"):
+        build_datasets(DataConfig(dataset="mnist", data_dir=str(tmp_path)))
+
+
+def cifar_expected(images, index, mean, std):
+    return (torch.from_numpy(images[index]).float() / 255 - torch.tensor(mean).view(3, 1, 1)) / \
+        torch.tensor(std).view(3, 1, 1)
+
+
+@pytest.mark.parametrize("classes", [10, 100])
+def test_cifar_python_version_as_torchvision_downloads_it(tmp_path, classes):
+    written = write_cifar_python(tmp_path, classes=classes)
+    dataset = "cifar10" if classes == 10 else "cifar100"
+    train, val, info = build_datasets(DataConfig(dataset=dataset, data_dir=str(tmp_path)))
+    assert (len(train), len(val), info.in_channels, info.num_classes, info.image_size) == (100, 20, 3, classes, 32)
+    mean, std = (train.mean.flatten().tolist(), train.std.flatten().tolist())
+    first, index = ("data_batch_2", 20 + 7) if classes == 10 else ("train", 27)
+    images, labels = written[first]
+    image, label = train[index]
+    assert int(label) == labels[7 if classes == 10 else 27]  # CIFAR-100: the fine label
+    assert torch.allclose(image, cifar_expected(images, 7 if classes == 10 else 27, mean, std), atol=1e-6)
+    images, labels = written["test_batch" if classes == 10 else "test"]
+    assert int(val[3][1]) == labels[3] and torch.allclose(val[3][0], cifar_expected(images, 3, mean, std), atol=1e-6)
+
+
+def test_cifar100_binary_version_reads_the_fine_label(tmp_path):
+    written = write_cifar100_binary(tmp_path)
+    train, val, info = build_datasets(DataConfig(dataset="cifar100", data_dir=str(tmp_path)))
+    assert (len(train), len(val), info.num_classes) == (100, 20, 100)
+    images, fine = written["train"]
+    assert [int(train[i][1]) for i in range(100)] == fine.tolist()
+    mean, std = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
+    assert torch.allclose(train[42][0], cifar_expected(images, 42, mean, std), atol=1e-6)
+
+
+def test_a_cifar_pickle_that_would_run_code_is_refused_unrun(tmp_path):
+    import pickle
+
+    write_cifar_python(tmp_path)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (tmp_path / "cifar-10-batches-py" / "data_batch_3").write_bytes(pickle.dumps({b"data": Payload()}))
+    with pytest.raises(DataError, match="data_batch_3: not a CIFAR-10 python-version batch.*refusing"):
+        build_datasets(DataConfig(dataset="cifar10", data_dir=str(tmp_path)))
+    assert not marker.exists()
 
 
 def test_cifar10_reads_the_binary_batches(tmp_path):
@@ -157,6 +228,23 @@ def test_missing_data_says_where_it_looked_and_how_to_get_it(tmp_path, dataset, 
     assert dataset == "imagefolder" or "--download" in str(err.value)
 
 
+def test_missing_data_lists_what_is_there_what_is_lacking_and_every_accepted_layout(tmp_path):
+    written = write_cifar_python(tmp_path)
+    assert written
+    (tmp_path / "cifar-10-batches-py" / "test_batch").unlink()
+    (tmp_path / "README.txt").write_text("from the lab share\n")
+    with pytest.raises(DataError) as err:
+        build_datasets(DataConfig(dataset="cifar10", data_dir=str(tmp_path)))
+    message = str(err.value)
+    assert f"CIFAR-10 not found in {tmp_path}: it holds README.txt, cifar-10-batches-py/" in message
+    assert "cifar-10-batches-py/ lacks test_batch" in message
+    assert "cifar-10-batches-py/{data_batch_1,data_batch_2,data_batch_3,data_batch_4,data_batch_5,test_batch}" \
+        in message
+    assert "cifar-10-batches-bin/{data_batch_1.bin," in message and "--download" in message
+    with pytest.raises(DataError, match=r"MNIST not found .*MNIST/raw/\{train-images-idx3-ubyte,.*\(.gz or not\)"):
+        build_datasets(DataConfig(dataset="fashion_mnist", data_dir=str(tmp_path)))
+
+
 def test_uint8_images_stay_uint8_in_memory(tmp_path):
     write_cifar10(tmp_path)
     train, _, _ = build_datasets(DataConfig(dataset="cifar10", data_dir=str(tmp_path)))
@@ -164,10 +252,26 @@ def test_uint8_images_stay_uint8_in_memory(tmp_path):
     assert np.isfinite(train[0][0].numpy()).all()
 
 
-def test_an_empty_image_folder_is_a_clear_error(tmp_path):
-    (tmp_path / "cat").mkdir()
-    with pytest.raises(DataError, match="Found no valid file for the classes cat"):
-        build_datasets(DataConfig(dataset="imagefolder", data_dir=str(tmp_path)))
+def test_an_empty_class_folder_is_named_with_the_fix(tmp_path):
+    write_image_folder(tmp_path / "tree", per_class=2, size=8)
+    (tmp_path / "tree" / "emu").mkdir()
+    (tmp_path / "tree" / "emu" / ".DS_Store").write_bytes(bytes(8))
+    with pytest.raises(DataError, match=r"class folder\(s\) emu hold no image files .*put images in them or remove"):
+        build_datasets(DataConfig(dataset="imagefolder", data_dir=str(tmp_path / "tree")))
+    write_image_folder(tmp_path / "flat", classes=(".",), per_class=2, size=8)  # images, but not in class folders
+    with pytest.raises(DataError, match=r"it holds 0.png, 1.png, but no class folders; ImageFolder reads"):
+        build_datasets(DataConfig(dataset="imagefolder", data_dir=str(tmp_path / "flat")))
+
+
+@pytest.mark.parametrize("skip_bad_files", [False, True])
+def test_files_that_are_not_images_by_name_are_ignored_not_counted(tmp_path, skip_bad_files, caplog):
+    write_image_folder(tmp_path, per_class=4, size=8)
+    assert write_desktop_litter(tmp_path) > 0
+    train, val, info = build_datasets(DataConfig(dataset="imagefolder", data_dir=str(tmp_path), image_size=8,
+                                                 val_fraction=0.5, skip_bad_files=skip_bad_files))
+    assert info.num_classes == 3 and len(train) + len(val) == 12  # no hidden class, no ._0.png, no notes
+    assert [train.dataset.classes] == [["cat", "dog", "owl"]]
+    assert [train[i] for i in range(len(train))] and "do not decode" not in caplog.text
 
 
 def test_a_corrupt_image_is_named_when_read_and_left_out_when_asked(tmp_path):
@@ -183,3 +287,17 @@ def test_a_corrupt_image_is_named_when_read_and_left_out_when_asked(tmp_path):
                                               val_fraction=0.5, skip_bad_files=True))
     assert len(train) + len(val) == 12
     assert [train[i] for i in range(len(train))] and [val[i] for i in range(len(val))]
+
+
+def test_a_corrupt_image_met_in_a_loader_worker_keeps_its_one_line_message(tmp_path):
+    from data import BadSampleError
+
+    write_image_folder(tmp_path, classes=("a", "b"), per_class=2, size=8, ext="jpg")
+    jpeg = tmp_path / "b" / "1.jpg"
+    jpeg.write_bytes(jpeg.read_bytes()[:200])  # a JPEG cut short, as an interrupted copy leaves it
+    train, val, _ = build_datasets(DataConfig(dataset="imagefolder", data_dir=str(tmp_path), image_size=8,
+                                              val_fraction=0.5))
+    loaders = build_loaders(train, val, LoaderSpec(batch_size=1, seed=0, workers=2), rank=0, world_size=1)
+    with pytest.raises(BadSampleError) as err:
+        [batch for loader in loaders[:2] for batch in loader]
+    assert str(err.value).startswith(f"{jpeg}: cannot read this image") and "\n" not in str(err.value)

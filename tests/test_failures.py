@@ -13,7 +13,7 @@ import torch
 from hvd_train import checkpoint
 from hvd_train.build import check_shards
 from hvd_train.errors import ConfigError
-from conftest import QUIET, ROOT, WORKERS, assert_refused, job_env, launch, read_json, run_app
+from conftest import QUIET, ROOT, WORKERS, app_output, assert_refused, job_env, launch, read_json, run_app
 from formats import write_image_folder
 BOUND = 60  # seconds within which a job must have ended after one of its ranks failed
 
@@ -156,7 +156,8 @@ def test_a_corrupt_checkpoint_is_named(tmp_path, app):
     (["--resume", "auto", "--overwrite"], "contradicts --resume"),
     (["--dataset", "imagenet"], "--dataset='imagenet' is not known"),
     (["--config", "RECIPE"], "unknown key optim.learning_rate; optim has: optimizer, epochs"),
-    (["--dataset", "imagefolder", "--data-dir", "EMPTY"], "Found no valid file for the classes cat"),
+    (["--dataset", "imagefolder", "--data-dir", "EMPTY"], "class folder(s) cat hold no image files"),
+    (["--dataset", "cifar100", "--data-dir", "EMPTY"], "CIFAR-100 not found in EMPTY: it holds cat/. Accepted"),
     (["--batch-size", "2000"], "each of the 1 ranks holds only 1438 of the 1438 training samples"),
 ])
 def test_bad_input_stops_with_one_message(tmp_path, app, args, message):
@@ -164,7 +165,22 @@ def test_bad_input_stops_with_one_message(tmp_path, app, args, message):
     recipe.write_text("optim:\n  learning_rate: 0.1\n")
     (tmp_path / "empty" / "cat").mkdir(parents=True)
     args = [{"RECIPE": str(recipe), "EMPTY": str(tmp_path / "empty")}.get(a, a) for a in args]
-    assert_refused(app("--output-dir", tmp_path / "out", *args), message)
+    message = message.replace("EMPTY", str(tmp_path / "empty"))
+    assert_refused(app("--output-dir", tmp_path / "out" / "run", *args), message)
+    assert not (tmp_path / "out").exists(), "a run refused before its first epoch left a new output folder behind"
+
+
+@pytest.mark.distributed
+def test_download_without_network_is_one_line_naming_the_url_and_the_way_by_hand(tmp_path):
+    # Two ranks on one host: local rank 0 downloads, and both stop with its error; rank 0 alone prints it.
+    (tmp_path / "data").mkdir()
+    proc = run_app("horovodrun-gloo", 2, "--output-dir", tmp_path / "out", "--dataset", "cifar10", "--download",
+                   "--data-dir", tmp_path / "data", check=False, offline=True)
+    line = assert_refused(proc, "--download CIFAR-10: cannot fetch https://www.cs.toronto.edu/~kriz/cifar-10-binary",
+                          f"extract it into {tmp_path / 'data'} (it makes cifar-10-batches-bin/)",
+                          "then run without --download")
+    assert "failed on another host" not in proc.stdout + proc.stderr and "Downloading" not in proc.stdout, line
+    assert not (tmp_path / "out").exists() and not list((tmp_path / "data").iterdir())
 
 
 def test_every_rank_needs_samples_and_a_whole_batch_of_them():
@@ -183,18 +199,22 @@ def test_a_batch_larger_than_a_rank_s_shard_stops_both_ranks_with_one_message(tm
 
 
 def write_corrupt_tree(root):
-    write_image_folder(root, per_class=6, size=12)
-    (root / "dog" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really an image")
+    write_image_folder(root, per_class=6, size=12, ext="jpg")
+    broken = root / "dog" / "broken.jpg"
+    broken.write_bytes((root / "dog" / "0.jpg").read_bytes()[:300])  # a JPEG cut short, as a failed copy leaves it
 
 
 @pytest.mark.distributed
-def test_a_corrupt_image_is_named_and_the_job_ends(tmp_path):
+def test_a_corrupt_jpeg_met_by_a_loader_worker_is_named_in_one_line_and_the_job_ends(tmp_path):
     write_corrupt_tree(tmp_path / "data")
     proc = run_app("mpirun", 2, "--output-dir", tmp_path / "out", "--dataset", "imagefolder", "--data-dir",
-                   tmp_path / "data", "--image-size", "12", "--batch-size", "2", "--epochs", "1", check=False)
+                   tmp_path / "data", "--image-size", "12", "--batch-size", "2", "--epochs", "1", "--workers", "2",
+                   check=False)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
-    assert output.count("broken.png: cannot read this image") == 1 and "--data.skip_bad_files" in output
+    lines = [line for line in output.splitlines() if "broken.jpg" in line]
+    assert len(lines) == 1 and "cannot read this image" in lines[0] and "--data.skip_bad_files" in lines[0], output
+    assert "Traceback" not in app_output(output) and "DataLoader worker" not in output, output[-3000:]
 
 
 def test_skip_bad_files_leaves_out_and_counts_the_corrupt_image(tmp_path, app):
@@ -202,5 +222,6 @@ def test_skip_bad_files_leaves_out_and_counts_the_corrupt_image(tmp_path, app):
     result = app("--output-dir", tmp_path / "out", "--dataset", "imagefolder", "--data-dir", tmp_path / "data",
                  "--image-size", "12", "--batch-size", "2", "--epochs", "1", "--data.skip_bad_files")
     assert result.returncode == 0 and "left out 1 image(s) that do not decode" in result.stdout, result.stderr
+    assert "broken.jpg" in result.stdout
     summary = read_json(tmp_path / "out" / "summary.json")
     assert summary["history"][0]["val_count"] + 14 == 18  # 18 good images, 20% held out (4), 14 for training

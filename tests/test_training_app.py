@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import QUIET, ROOT, TRAIN, assert_refused, launch, read_json
-from formats import write_cifar10, write_image_folder, write_mnist
+from formats import (write_cifar10, write_cifar100_binary, write_cifar_python, write_desktop_litter,
+                     write_image_folder, write_mnist, write_stl10)
 
 
 def last_checkpoint(out):
@@ -99,13 +100,37 @@ def test_torchvision_resnet_on_cifar10_files_with_every_precision_and_horovod_op
     assert all(h["val_count"] == 12 and h["train_loss"] == h["train_loss"] for h in summary["history"])
 
 
+def litter_around(root):
+    write_image_folder(root, per_class=10, size=12)  # 30 images: 6 held out, 24 for training (12 per rank)
+    write_desktop_litter(root)
+
+
+# Each layout as its publisher writes it: (data set, writer, samples for training and validation, extra flags).
+LAYOUTS = {
+    "cifar10-python": ("cifar10", lambda d: write_cifar_python(d, per_batch=8, n_test=10), (40, 10), []),
+    "cifar10-binary": ("cifar10", lambda d: write_cifar10(d, per_batch=8, n_test=10), (40, 10), []),
+    "cifar100-python": ("cifar100", lambda d: write_cifar_python(d, classes=100, per_batch=8, n_test=10), (40, 10),
+                        []),
+    "cifar100-binary": ("cifar100", lambda d: write_cifar100_binary(d, n_train=40, n_test=10), (40, 10), []),
+    "mnist-gz-torchvision": ("mnist", lambda d: write_mnist(d, n_train=40, n_test=10, gz=True), (40, 10), []),
+    "fashion-mnist-as-published": ("fashion_mnist", lambda d: write_mnist(d, n_train=40, n_test=10, folder="",
+                                                                          gz=True), (40, 10), []),
+    "stl10-binary": ("stl10", lambda d: write_stl10(d, n_train=12, n_test=8), (12, 8), ["--image-size", "32"]),
+    "imagefolder-with-litter": ("imagefolder", litter_around, (24, 6), ["--image-size", "12"]),
+}
+
+
 @pytest.mark.distributed
-def test_image_folder_trains_on_png_files(tmp_path):
-    write_image_folder(tmp_path / "data", per_class=8, size=12)
-    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "out", "--dataset", "imagefolder", "--data-dir",
-           tmp_path / "data", "--image-size", "12", "--epochs", "3", "--batch-size", "4", *QUIET)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_published_layout_trains_on_2_ranks(tmp_path, layout):
+    dataset, write, (n_train, n_val), extra = LAYOUTS[layout]
+    write(tmp_path / "data")
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "out", "--dataset", dataset, "--data-dir",
+           tmp_path / "data", "--epochs", "1", "--batch-size", "4", *extra, *QUIET)
     summary = read_json(tmp_path / "out" / "summary.json")
-    assert summary["history"][-1]["val_count"] == round(24 * 0.2) and summary["params_in_sync"]
+    assert summary["dataset"] == dataset and summary["world_size"] == 2 and summary["params_in_sync"]
+    record = summary["history"][0]
+    assert (record["train_count"], record["val_count"]) == (n_train, n_val)  # every sample once, litter none
 
 
 @pytest.mark.distributed

@@ -81,7 +81,8 @@ def run(cfg, rt):
     channels, classes = cfg.data.synthetic_channels, cfg.data.synthetic_classes
     # Without --image-size: ImageNet-sized images for torchvision models (as in Horovod's benchmark), MNIST-sized
     # ones for the small models made for those.
-    size = cfg.data.image_size or (DATASETS["mnist"][2] if cfg.model.name in SMALL_MODELS else DATASETS["synthetic"][2])
+    native = DATASETS["mnist" if cfg.model.name in SMALL_MODELS else "synthetic"].size
+    size = cfg.data.image_size or native
     info = DataInfo(channels, classes, size, 0, 0)
     run_dir = RunDir(cfg.run.output_dir)
     hvd_utils.decide_on_root(lambda: run_dir.claim_for_benchmark(cfg.run.overwrite), "output_dir")

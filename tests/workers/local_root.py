@@ -3,7 +3,7 @@
     local_root.py OUT_DIR [--fail]
 
 The download appends a line to OUT_DIR/downloads.txt after 1.5 s; every rank then records whether it saw the
-finished file. With --fail the download raises, and every rank must stop with an error, not hang.
+finished file. With --fail the download raises, and every rank must stop with that error, not hang.
 """
 import json
 import os
