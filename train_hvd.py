@@ -119,6 +119,10 @@ def write_config(path, cfg):
 def cli():
     if sys.argv[1:2] == ["doctor"]:  # hvd-train doctor -H ...: check the hosts of a job before it runs
         sys.exit(doctor.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["shard"]:  # hvd-train shard --from ... --out ...: write a data set as tar shards
+        from hvd_train import shard_cli
+
+        sys.exit(shard_cli.main(sys.argv[2:]))
     sys.exit(guarded(main))
 
 

@@ -8,6 +8,7 @@ bench/results/<date>.json and .md and prints the table.
     python bench/run.py --quick          # the same pipeline on tiny settings (a minute or two; used by the tests)
     python bench/run.py --sections overhead,peer
     python bench/run.py --sections peer,comm,allreduce   # the communication figures (about 15 minutes)
+    python bench/run.py --sections data   # loaders (image folder, tar shards) against a training step
 """
 import argparse
 import datetime
@@ -26,7 +27,7 @@ from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row
 
 PY = sys.executable
 BIN = os.path.dirname(PY)
-SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "tuning", "compile", "accuracy")
+SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "tuning", "compile", "accuracy", "data")
 APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
 APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
 # Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
@@ -350,6 +351,56 @@ def section_accuracy(b):
     return [{"figure": f"time to {target}% val top-1, digits, 2 ranks", "goal": "-", "unit": "s",
              "compared": "seconds from `horovodrun -np 2 --gloo` to the epoch that reaches it",
              "seconds": spread(times), "epochs": spread(epochs)}]
+
+
+def write_photos(root, count, side=96):
+    """`count` JPEG photos (noise with a tint per class) in 4 class folders, as a camera or a crawl leaves them."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        folder = os.path.join(root, f"class{i % 4}")
+        os.makedirs(folder, exist_ok=True)
+        pixels = rng.integers(0, 200, size=(side, side, 3), dtype=np.uint8)
+        pixels[..., i % 3] += 55
+        Image.fromarray(pixels).save(os.path.join(folder, f"{i:06d}.jpg"), quality=90)
+
+
+def section_data(b):
+    """Whether data loading keeps up with training: the images/s one rank's loader delivers (of 2 ranks; no model)
+    from an image folder of JPEGs and from tar shards written from it, --workers 0, 1 and 2, against the images/s
+    a training step consumes (resnet18 at 64 px, batch 32, one process). Under 1, the loader is the bottleneck."""
+    model, size, batch = "resnet18", 64, 32
+    photos, shards = os.path.join(b.workdir, "photos"), os.path.join(b.workdir, "shards")
+    write_photos(photos, 256 if b.args.quick else 2048)
+    run([os.path.join(BIN, "hvd-train"), "shard", "--from", "imagefolder", "--data-dir", photos, "--out", shards,
+         "--shard-size", "64" if b.args.quick else "256"], job_env())
+    timed = (1, 3) if b.args.quick else (3, 20)
+    counts = (0, 1) if b.args.quick else (0, 1, 2)
+    cases = [(source, workers) for source in ("imagefolder", "shards") for workers in counts]
+
+    def loader(source, workers):
+        out = b.out("loader") + ".json"
+        run([PY, os.path.join(ROOT, "bench", "loader_rate.py"), "--source", source, "--data-dir",
+             photos if source == "imagefolder" else shards, "--workers", str(workers), "--batch-size", str(batch),
+             "--image-size", str(size), "--warmup", str(timed[0]), "--batches", str(timed[1]), "--out", out],
+            job_env())
+        with open(out) as f:
+            return json.load(f)["img_per_sec"]
+
+    steps, rates = [], {case: [] for case in cases}
+    for i in range(b.args.repeats):  # alternated: the step first, then the loaders, then the other way round
+        if i % 2 == 0:
+            steps.append(b.app([PY], model, size, batch, b.slow_steps, job_env())["img_per_sec_total"])
+        for case in (cases if i % 2 == 0 else cases[::-1]):
+            rates[case].append(loader(*case))
+        if i % 2 == 1:
+            steps.append(b.app([PY], model, size, batch, b.slow_steps, job_env())["img_per_sec_total"])
+    names = {"imagefolder": "image folder (JPEG)", "shards": "tar shards (local)"}
+    return [ratio_row(f"data, {names[source]}, --workers {workers}", f"loader img/s per rank / {model} {size}px "
+                      f"batch {batch} training step img/s, 1 process", "> 1: loading keeps up",
+                      rates[(source, workers)], steps) for source, workers in cases]
 
 
 def fmt(x, digits=3):

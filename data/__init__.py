@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from data import cifar, mnist, stl10
+from data import cifar, mnist, shards, stl10
 from data.digits import load_digits_dataset
 from data.errors import BadSampleError, DataError
 from data.samplers import ShardSampler
@@ -34,10 +34,11 @@ DATASETS = {
     "cifar100": Builtin(3, 100, 32, partial(cifar.load, cifar.CIFAR100), partial(cifar.download, cifar.CIFAR100)),
     "stl10": Builtin(3, 10, 96, stl10.load, stl10.download),
     "imagefolder": Builtin(3, None, 224),
+    "shards": Builtin(None, None, 0),  # the facts come from the shard index
 }
 
 __all__ = ["DATASETS", "BadSampleError", "DataError", "DataInfo", "LoaderSpec", "build_datasets", "build_loaders",
-           "download_fn", "users_datasets"]
+           "check_world", "download_fn", "is_streamed", "users_datasets"]
 IMAGE_FACTS = ("in_channels", "num_classes", "image_size")
 
 
@@ -63,6 +64,8 @@ class LoaderSpec:
     seed: int                 # the shuffle's seed, the same on every rank
     workers: int = 0          # DataLoader worker processes per rank
     pin_memory: bool = False  # page-locked batches (GPUs)
+    image_size: int = 0       # tar shards: the size images are brought to (0: the index's)
+    shuffle_buffer: int = 1000  # tar shards: samples held to shuffle the stream
 
 
 def download_fn(name):
@@ -74,6 +77,8 @@ def build_datasets(dc):
     """The train and validation sets described by a DataConfig, split the same way on every rank."""
     if dc.dataset not in DATASETS:
         raise DataError(f"unknown data set {dc.dataset!r}; choose one of: {', '.join(sorted(DATASETS))} (--dataset)")
+    if dc.dataset == "shards":
+        return shard_sets(dc)
     builtin = DATASETS[dc.dataset]
     channels, classes, size = builtin.channels, builtin.classes, dc.image_size or builtin.size
     presplit = True
@@ -93,6 +98,13 @@ def build_datasets(dc):
         classes = len(train.classes)
     train, val = _held_out(train, val, presplit, dc, f" in {dc.data_dir}")
     return train, val, DataInfo(channels, classes, size, len(train), len(val))
+
+
+def shard_sets(dc):
+    """The training and validation ShardSets and their DataInfo, from the shard index."""
+    train, val, facts = shards.open_sets(dc)
+    size = dc.image_size or facts.get("image_size")
+    return train, val, DataInfo(facts.get("in_channels"), facts.get("num_classes"), size, len(train), len(val))
 
 
 def _held_out(train, val, presplit, dc, where):
@@ -127,8 +139,11 @@ def _worker_context(workers):
 def build_loaders(train_set, val_set, spec, rank, world_size, train_sampler=None):
     """Training shards reshuffled each epoch (call train_sampler.set_epoch), validation shards with no repeats.
 
-    train_sampler replaces the DistributedSampler (elastic runs pass Horovod's ElasticSampler).
+    train_sampler replaces the DistributedSampler (elastic runs pass Horovod's ElasticSampler). For tar shards
+    the training loader is its own sampler: it plans each epoch when told which it is.
     """
+    if is_streamed(train_set):
+        return shard_loaders(train_set, val_set, spec, rank, world_size)
     # Horovod: each rank reads its own 1/world_size of the training set; the shared seed makes the shuffles agree.
     if train_sampler is None:
         train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
@@ -139,3 +154,20 @@ def build_loaders(train_set, val_set, spec, rank, world_size, train_sampler=None
     train_loader = DataLoader(train_set, sampler=train_sampler, **common)
     val_loader = DataLoader(val_set, sampler=val_sampler, **common)
     return train_loader, val_loader, train_sampler
+
+
+def shard_loaders(train_set, val_set, spec, rank, world_size):
+    size = spec.image_size or train_set.facts.get("image_size")
+    place = shards.Place(spec.seed, rank, world_size, spec.workers, spec.batch_size)
+    loaders = [shards.ShardLoader(split, spec, place, shards.transform_for(split.facts, size, split.train),
+                                  _worker_context(spec.workers)) for split in (train_set, val_set)]
+    return loaders[0], loaders[1], loaders[0]
+
+
+def is_streamed(train_set):
+    return isinstance(train_set, shards.ShardSet)
+
+
+def check_world(train_set, world_size, spec):
+    """Tar shards: every rank needs whole shards of its own and a full batch from them (data/shards.py)."""
+    shards.check_plan(train_set, world_size, spec.batch_size, spec.workers, seed=spec.seed)

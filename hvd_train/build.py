@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 import hvd_utils
-from data import DATASETS, LoaderSpec, build_datasets, build_loaders, download_fn, users_datasets
+from data import (DATASETS, LoaderSpec, build_datasets, build_loaders, check_world, download_fn, is_streamed,
+                  users_datasets)
 from hvd_train import tasks
 from hvd_train.engine import StepOptions, Trainer
 from hvd_train.errors import ConfigError
@@ -193,7 +194,8 @@ def load_initial_weights(cfg, model):
 def loader_spec(cfg, device):
     """The loaders' settings: a step's samples per rank (batch x batches per allreduce), seed, workers."""
     return LoaderSpec(cfg.optim.batch_size * cfg.horovod.batches_per_allreduce, cfg.run.seed, cfg.data.workers,
-                      pin_memory=device.type == "cuda")
+                      pin_memory=device.type == "cuda", image_size=cfg.data.image_size,
+                      shuffle_buffer=cfg.data.shuffle_buffer)
 
 
 def prepare_data(cfg):
@@ -240,5 +242,8 @@ def build_data(cfg, rt):
     """DataInfo and (train loader, val loader, train sampler) for a fixed set of rt.size ranks."""
     train_set, val_set, info = prepare_data(cfg)
     spec = loader_spec(cfg, rt.device)
-    check_shards(info.num_train, rt.size, spec.batch_size)
+    if is_streamed(train_set):
+        check_world(train_set, rt.size, spec)
+    else:
+        check_shards(info.num_train, rt.size, spec.batch_size)
     return info, build_loaders(train_set, val_set, spec, rt.rank, rt.size)

@@ -65,7 +65,8 @@ class _Section:
 @dataclass
 class DataConfig(_Section):
     dataset: str = opt("digits", "digits, synthetic, mnist, fashion_mnist, cifar10, cifar100, stl10, imagefolder, "
-                       "or your own factory as package.module:name (README: Bring your own model, data and task)")
+                       "shards (WebDataset tars: --data.train_shards/val_shards), or your own factory as "
+                       "package.module:name (README: Bring your own model, data and task)")
     args: dict = opt({}, "keyword arguments for your own data set factory: key=value,... (a mapping in a recipe)")
     data_dir: str = opt("datasets", "where data sets are read from (and downloaded to with --download)")
     download: bool = opt(False, "fetch a missing data set (local rank 0 of each host; the others wait)")
@@ -74,6 +75,12 @@ class DataConfig(_Section):
     split_seed: int = opt(0, "seed of that split; fixed so every rank and every run agree")
     workers: int = opt(0, "DataLoader worker processes per rank (0: load in the training process)")
     skip_bad_files: bool = opt(False, "imagefolder: decode every image once at start and leave out those that fail")
+    train_shards: str = opt("", "shards: the training shards, a path, http(s):// URL or pipe: command with braces "
+                            "for a range, e.g. 'shards/train-{000000..000099}.tar'")
+    val_shards: str = opt("", "shards: the validation shards, as --data.train_shards")
+    shard_index: str = opt("", "shards: the index hvd-train shard wrote (default: index.json beside the training "
+                           "shards; needed for pipe: commands)")
+    shuffle_buffer: int = opt(1000, "shards: samples each loader holds to shuffle the stream (per rank and worker)")
     synthetic_samples: int = opt(1024, "synthetic: number of training samples (validation gets a quarter as many)")
     synthetic_channels: int = opt(3, "synthetic: image channels")
     synthetic_classes: int = opt(10, "synthetic: number of classes")
@@ -86,7 +93,7 @@ class DataConfig(_Section):
         _require(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction,
                  "must be between 0 and 1 (exclusive), e.g. 0.2 for a 20% validation split")
         _require(self.workers >= 0, "data.workers (--workers)", self.workers, "must be 0 or more")
-        for name in ("synthetic_samples", "synthetic_channels", "synthetic_classes"):
+        for name in ("synthetic_samples", "synthetic_channels", "synthetic_classes", "shuffle_buffer"):
             _require(getattr(self, name) > 0, f"data.{name}", getattr(self, name), "must be positive")
 
 

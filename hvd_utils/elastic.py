@@ -23,8 +23,11 @@ def sampler(dataset, seed):
 
 
 def state(model, optimizer, train_sampler, **counters):
-    """Model, optimizer, sampler position and counters, saved on commit and restored and re-broadcast on reset."""
-    return TorchState(model=model, optimizer=optimizer, sampler=train_sampler, **counters)
+    """Model, optimizer, sampler position (where there is a sampler) and counters, saved on commit and restored
+    and re-broadcast on reset."""
+    if train_sampler is not None:
+        counters["sampler"] = train_sampler
+    return TorchState(model=model, optimizer=optimizer, **counters)
 
 
 def world():

@@ -117,7 +117,7 @@ if [ -n "$SDIST" ] && [ ! -f "$SDIST" ]; then
 fi
 echo "python: $("$PYTHON" --version 2>&1) ($PYTHON), compiler: $( (g++ --version || c++ --version) 2>/dev/null | head -n1), GPU build: $([ "$GPU" = 1 ] && echo yes || echo no), MPI: $([ "$MPI" = 1 ] && echo yes || echo no), offline: $([ "$OFFLINE" = 1 ] && echo yes || echo no)"
 
-step "Checking OpenMPI and ssh"
+step "Checking OpenMPI, ssh and curl"
 # Horovod's MPI controller needs the MPI headers and wrappers at build time and mpirun at run time; ranks on other
 # hosts are started over ssh (sshd also serves the two-host test, tests/test_multihost.py).
 ssh_cmd="apt-get install -y --no-install-recommends openssh-client openssh-server"
@@ -131,6 +131,17 @@ elif [ "$can_apt" = 1 ]; then
     DEBIAN_FRONTEND=noninteractive $ssh_cmd
 else
     echo "note: no ssh client or server: single-host runs work; multi-host runs need them (sudo $ssh_cmd)"
+fi
+# curl: webdataset reads tar shards from http(s):// URLs with it (--dataset shards).
+curl_cmd="apt-get install -y --no-install-recommends curl ca-certificates"
+if command -v curl >/dev/null 2>&1; then
+    echo "found curl"
+elif [ "$can_apt" = 1 ]; then
+    echo "installing curl: $curl_cmd"
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $curl_cmd
+else
+    echo "note: no curl: shards from local disks and pipe: commands work; http(s):// shards need it (sudo $curl_cmd)"
 fi
 if [ "$MPI" = 0 ]; then
     echo "skipped (--no-mpi): Horovod is built with the Gloo controller alone; launch with horovodrun --gloo"

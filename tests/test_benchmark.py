@@ -158,11 +158,11 @@ def test_allreduce_benchmark_reports_busbw_for_horovod_and_torch(tmp_path):
 @pytest.mark.distributed
 def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path):
     cmd = [sys.executable, "bench/run.py", "--quick", "--repeats", "1", "--results-dir", str(tmp_path), "--sections"]
-    # The second run, of one section, only has to find the first one's files there and write beside them.
-    for sections in ("overhead,peer,accuracy", "overhead"):
+    # The second run, of another section, has to find the first one's files there and write beside them.
+    for sections in ("overhead,peer,accuracy", "data"):
         proc = subprocess.run(cmd + [sections], cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        if sections != "overhead":
+        if sections != "data":
             first_output = proc.stdout
     files = sorted(os.listdir(tmp_path))
     assert len(files) == 4 and sum(f.endswith("-2.json") for f in files) == 1
@@ -176,7 +176,12 @@ def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path
     assert figures["time to 90% val top-1"]["seconds"]["median"] > 0
     assert "| overhead, small_cnn" in first_output and "| peer, small_cnn" in first_output
     second = read_json(tmp_path / next(f for f in files if f.endswith("-2.json")))
-    assert [r["figure"].split(",")[0] for r in second["rows"]] == ["overhead"]
+    # The data section: each loader (image folder and tar shards, 0 and 1 workers) against a training step.
+    assert [r["figure"] for r in second["rows"]] == [f"data, {source}, --workers {w}" for source in
+                                                     ("image folder (JPEG)", "tar shards (local)") for w in (0, 1)]
+    for row in second["rows"]:
+        assert row["a"]["median"] > 0 and row["b"]["median"] > 0
+        assert row["ratio"]["median"] == pytest.approx(row["a"]["median"] / row["b"]["median"])
 
 
 @pytest.mark.distributed

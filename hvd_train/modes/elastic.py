@@ -9,7 +9,7 @@ import dataclasses
 import logging
 
 import hvd_utils
-from data import build_loaders
+from data import build_loaders, check_world, is_streamed
 from hvd_train.build import build_trainer, check_shards, load_initial_weights, loader_spec, lr_scale, prepare_data
 from hvd_train.engine import Hooks, fit
 from hvd_train.errors import ConfigError
@@ -67,6 +67,35 @@ class ElasticHooks(Hooks):
         self.st.save()  # the restore point stays the last commit; only the counts are kept from here
 
 
+class StreamedElasticHooks(ElasticHooks):
+    """For tar shards (data/shards.py), whose epochs are planned whole for a number of ranks: commits at epoch ends
+    only, so a reset rolls the model back to the start of the epoch in progress, which is then read again from its
+    beginning, planned for the new set of workers. The steps since that start are redone (counted), and no update
+    from a sample of that epoch survives twice."""
+
+    def __init__(self, st, after_epoch):
+        Hooks.__init__(self, None, after_epoch, after_epoch.state)  # the sampler: each entry's loader
+        self.st, self.epochs = st, after_epoch.trainer.epochs
+        self.done = {"epoch": 1, "batch": 0}
+
+    epoch_start = Hooks.epoch_start  # the loader plans the epoch
+    position = Hooks.position
+
+    def after_step(self, epoch):
+        self.st.batch += 1
+        self.st.steps += 1
+        self.done = {"epoch": epoch, "batch": self.st.batch}
+
+    def epoch_end(self, epoch, record):
+        st = self.st
+        self.state.step = st.steps
+        stop = Hooks.epoch_end(self, epoch, record)
+        st.batch, st.epoch = 0, (self.epochs + 1 if stop else epoch + 1)
+        st.run = dict(self.state.checkpoint_fields(), history=list(self.state.history))
+        st.commit()
+        return stop
+
+
 def run(cfg, rt):
     """Nothing here runs a collective before Horovod's elastic loop: a worker that joins later starts this script
     while the others are inside the loop. The output directory is claimed, and a checkpoint loaded, inside it, once.
@@ -76,16 +105,25 @@ def run(cfg, rt):
                           "--host-discovery-script hostfiles/discover_hosts.py python train_hvd.py --elastic")
     train_set, val_set, info = prepare_data(cfg)
     spec = loader_spec(cfg, rt.device)
-    check_shards(info.num_train, rt.size, spec.batch_size)
+    streamed = is_streamed(train_set)
+    if streamed:
+        check_world(train_set, rt.size, spec)
+    else:
+        check_shards(info.num_train, rt.size, spec.batch_size)
     trainer = build_trainer(cfg, info, rt)
-    sampler = elastic.sampler(train_set, cfg.run.seed)
-    sampler.set_epoch(1)
-    train_loader = build_loaders(train_set, val_set, spec, rt.rank, rt.size, train_sampler=sampler)[0]
     state, outputs = RunState(), outputs_for(cfg, info, trainer.task, is_main=False)
+    after_epoch = AfterEpoch(cfg, trainer, state, outputs)
+    sampler = train_loader = None  # tar shards: the loader is built for the current workers in the elastic loop
+    if not streamed:
+        sampler = elastic.sampler(train_set, cfg.run.seed)
+        sampler.set_epoch(1)
+        train_loader = build_loaders(train_set, val_set, spec, rt.rank, rt.size, train_sampler=sampler)[0]
     st = elastic.state(trainer.model, trainer.optimizer, sampler, epoch=1, batch=0, steps=0, claimed=False,
                        run={}, resets=0, redone=0)
-    hooks = ElasticHooks(st, sampler, AfterEpoch(cfg, trainer, state, outputs), cfg.horovod.commit_every,
-                         spec.batch_size)
+    if streamed:
+        hooks = StreamedElasticHooks(st, after_epoch)
+    else:
+        hooks = ElasticHooks(st, sampler, after_epoch, cfg.horovod.commit_every, spec.batch_size)
 
     def take_roles():
         # Rank 0 of the current workers writes; after a reset that may be another process than before. The rate
@@ -127,10 +165,13 @@ def run(cfg, rt):
                 write_json(outputs.run_dir.config, cfg.to_dict())
             log_setup(cfg, rt, info, trainer, st.epoch - 1)
             st.commit()
-        # Validation shards follow the current set of workers.
+        # Validation shards follow the current set of workers (and tar shards' training plan too).
         rank, size, _ = elastic.world()
-        val_loader = build_loaders(train_set, val_set, spec, rank, size)[1]
-        fit(trainer, train_loader, val_loader, hooks, first_epoch=st.epoch)
+        loaders = build_loaders(train_set, val_set, spec, rank, size)
+        if streamed:
+            check_world(train_set, size, spec)  # fewer workers: still a full batch each
+            hooks.sampler = loaders[0]
+        fit(trainer, loaders[0] if streamed else train_loader, loaders[1], hooks, first_epoch=st.epoch)
 
     try:
         train(st)

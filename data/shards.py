@@ -1,0 +1,309 @@
+"""WebDataset tar shards: data sets larger than a node, streamed from local disks, http(s):// servers or pipe:
+commands (the `webdataset` library opens and unpacks them), with exact epochs.
+
+A shard is a tar of samples, each a group of files with one key: `000042.png` (or .jpg, ...) and `000042.cls` (the
+class index as text). An index (`hvd-train shard` writes `index.json` beside the shards) gives every shard's
+sample count and the facts the model needs (classes, channels, image size, normalization).
+
+The plan of an epoch follows from the index, the seed and the epoch number alone, so every rank computes the same
+one without talking to the others:
+- the training shards are shuffled by (seed, epoch) and dealt out: rank r reads shards r, r+W, ... (W ranks), and
+  its loader workers split its shards the same way; each reads its shards whole, through a shuffle buffer seeded by
+  (seed, epoch, rank, worker), and makes full batches only;
+- every rank runs the same number of steps, the fewest full batches any rank holds that epoch, so shards of
+  unequal size cannot leave one rank waiting in an allreduce for another that has run out (the samples beyond
+  that are left out of that epoch only, and the next epoch's deal differs);
+- validation: rank r reads validation shards r, r+W, ... whole, in order, so every sample counts exactly once.
+
+Resuming starts the next epoch of the checkpoint with the same plan an uninterrupted run has, so a resumed run reads
+exactly the samples, in the same order, that one that never stopped reads, and no epoch reads a sample twice.
+"""
+import hashlib
+import io
+import json
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from data.errors import BadSampleError, DataError
+
+INDEX = "index.json"
+FORMAT = "hvd-train shards"
+IMAGE_KEYS = ("png", "jpg", "jpeg", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    """One split's shards: their URLs, in the order given, and the sample count of each (from the index)."""
+    urls: tuple
+    counts: tuple
+    facts: dict
+    train: bool
+
+    def __len__(self):
+        return sum(self.counts)
+
+
+def shard_name(url):
+    """The name a shard has in the index: the file name at the end of a path, URL or pipe: command."""
+    last = url.split()[-1].strip("'\"") if url.startswith("pipe:") else url
+    return os.path.basename(last.split("?")[0])
+
+
+def expand(pattern):
+    """'a-{000..009}.tar' or several patterns joined by '::' -> the list of shard URLs (webdataset's expansion)."""
+    from webdataset.shardlists import expand_urls
+
+    return list(expand_urls(pattern))
+
+
+def default_index(pattern):
+    """index.json beside the first shard; a pipe: command has no "beside" and must name its index."""
+    first = expand(pattern)[0]
+    if first.startswith("pipe:"):
+        return None
+    return first.rsplit("/", 1)[0] + "/" + INDEX if "/" in first else INDEX
+
+
+def read_index(location):
+    """{'shards': {name: count}, 'facts': {...}} from a local path, http(s):// URL or pipe: command."""
+    from webdataset.gopen import gopen
+
+    try:
+        with gopen(location) as f:
+            index = json.loads(f.read())
+    except (OSError, ValueError) as e:  # a missing file, a failed download, text that is not JSON
+        raise DataError(f"shard index {location}: cannot read it ({e}); write shards and their index with "
+                        f"`hvd-train shard`, or name the index with --data.shard_index") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("shards"), dict):
+        raise DataError(f"shard index {location}: not an hvd-train shard index (written by `hvd-train shard`)")
+    return index
+
+
+def open_split(pattern, index, location, train):
+    urls = expand(pattern)
+    missing = [shard_name(u) for u in urls if shard_name(u) not in index["shards"]]
+    if missing:
+        raise DataError(f"shard index {location} has no entry for {', '.join(missing[:3])}"
+                        f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}: the pattern names shards "
+                        f"that index does not list; check the pattern, or rewrite the index with `hvd-train shard`")
+    local = [u for u in urls if "://" not in u and not u.startswith("pipe:") and not os.path.isfile(u)]
+    if local:
+        raise DataError(f"shard {local[0]} does not exist{f' (and {len(local) - 1} more)' if len(local) > 1 else ''}"
+                        f"; check --data.{'train' if train else 'val'}_shards")
+    return ShardSet(tuple(urls), tuple(int(index["shards"][shard_name(u)]) for u in urls), index["facts"], train)
+
+
+def open_sets(dc):
+    """(train ShardSet, val ShardSet, facts) for --dataset shards."""
+    for name in ("train_shards", "val_shards"):
+        if not getattr(dc, name):
+            raise DataError(f"--dataset shards needs --data.{name}: a shard path, URL or pipe: command, with "
+                            f"braces for a range, e.g. 'shards/{name[:-7]}-{{000000..000009}}.tar'")
+    location = dc.shard_index or default_index(dc.train_shards)
+    if location is None:
+        raise DataError("--data.train_shards is a pipe: command: name the shard index with --data.shard_index")
+    index = read_index(location)
+    return open_split(dc.train_shards, index, location, True), open_split(dc.val_shards, index, location, False), \
+        index["facts"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The plan of an epoch
+
+
+def deal(items, parts, offset):
+    return list(items[offset::parts])
+
+
+def train_plan(shards, epoch, seed, world_size, workers, batch_size):
+    """[rank][worker] -> shard indices for this epoch, and the steps every rank runs."""
+    order = list(range(len(shards.urls)))
+    random.Random(f"{seed}:{epoch}").shuffle(order)  # a str seed hashes the same in every process
+    per_rank = [deal(order, world_size, r) for r in range(world_size)]
+    per_worker = [[deal(mine, max(1, workers), w) for w in range(max(1, workers))] for mine in per_rank]
+    batches = [sum(sum(shards.counts[i] for i in part) // batch_size for part in parts) for parts in per_worker]
+    return per_worker, min(batches)
+
+
+def check_plan(shards, world_size, batch_size, workers, epoch=1, seed=0):
+    """Refuse a job whose ranks cannot all train: fewer shards than ranks, or an epoch without a full batch. Every
+    rank reaches the same verdict (the plan is the same everywhere), so they all stop together."""
+    if len(shards.urls) < world_size:
+        raise DataError(f"{len(shards.urls)} training shard(s) cannot feed {world_size} ranks: each rank reads "
+                        f"whole shards; write at least {world_size} (hvd-train shard --shard-size smaller)")
+    _, steps = train_plan(shards, epoch, seed, world_size, workers, batch_size)
+    if steps == 0:
+        raise DataError(f"a step takes {batch_size} samples per rank, but in epoch {epoch} some rank's shards (or "
+                        f"one of its loader workers' shards) hold fewer; lower --batch-size or --workers, or write "
+                        f"larger shards")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+def transform_for(facts, image_size, train):
+    """Photos (written from an image folder) get ImageFolder's crops and flips; arrays (CIFAR, MNIST, ...) are
+    only scaled to image_size and normalized with their data set's mean and std, as when read from their files."""
+    from torchvision import transforms as T
+
+    if facts.get("transform") == "photos":
+        from data.imagefolder import transforms
+
+        return transforms(image_size, train)
+    steps = [T.ToTensor()]
+    if image_size != facts.get("image_size"):
+        steps.append(T.Resize((image_size, image_size), antialias=True))
+    channels = facts.get("in_channels", 3)
+    steps.append(T.Normalize(facts.get("mean", [0.0] * channels), facts.get("std", [1.0] * channels)))
+    return T.Compose(steps)
+
+
+def decode(sample, url, channels):
+    """(PIL image, class) from one tar sample."""
+    from PIL import Image
+
+    image_key = next((k for k in IMAGE_KEYS if k in sample), None)
+    if image_key is None or "cls" not in sample:
+        files = sorted(k for k in sample if not k.startswith("__"))
+        raise BadSampleError(f"shard {url}: sample {sample.get('__key__')} has {files}; each needs an image "
+                             f"({', '.join(IMAGE_KEYS[:3])}, ...) and a .cls file")
+    try:
+        with Image.open(io.BytesIO(sample[image_key])) as image:
+            image = image.convert("L" if channels == 1 else "RGB")
+        return image, int(sample["cls"])
+    except (OSError, SyntaxError, ValueError) as e:
+        raise BadSampleError(f"shard {url}: sample {sample['__key__']}.{image_key} does not decode ({e}); rewrite "
+                             f"the shard") from None
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a loader sits in the job: what its epoch plans depend on besides the shards and the epoch."""
+    seed: int
+    rank: int
+    world_size: int
+    workers: int
+    batch_size: int
+
+
+class ShardStream(IterableDataset):
+    """The samples of one rank's shards, each loader worker reading its own; training yields full batches only,
+    shuffled through a buffer; validation yields every sample, in shard order.
+
+    The epoch sits in shared memory: loader workers live across epochs (starting them costs seconds) and read it
+    when an epoch's iteration starts, so they follow set_epoch without being restarted."""
+
+    def __init__(self, shards, place, transform, shuffle_buffer):
+        self.shards, self.place, self.transform, self.shuffle_buffer = shards, place, transform, shuffle_buffer
+        self.epoch = torch.ones(1, dtype=torch.int64).share_memory_()
+
+    def plan(self, epoch):
+        """([worker] -> shard indices, steps) of this rank for `epoch`."""
+        p, workers = self.place, max(1, self.place.workers)
+        if self.shards.train:
+            parts, steps = train_plan(self.shards, epoch, p.seed, p.world_size, p.workers, p.batch_size)
+            return parts[p.rank], steps
+        parts = [deal(deal(list(range(len(self.shards.urls))), p.world_size, p.rank), workers, w)
+                 for w in range(workers)]
+        return parts, sum(-(-sum(self.shards.counts[i] for i in part) // p.batch_size) for part in parts)
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, epoch = (info.id if info is not None else 0), int(self.epoch[0])
+        if info is not None:
+            # A worker's random crops and flips depend on the epoch alone, not on how many epochs this worker has
+            # lived: a resumed run's fresh workers draw what an uninterrupted run's draw.
+            torch.manual_seed(hash_seed(f"{self.place.seed}:{epoch}:{self.place.rank}:{worker}"))
+        samples = self.samples(self.plan(epoch)[0][worker])
+        if self.shards.train:
+            rng = random.Random(f"{self.place.seed}:{epoch}:{self.place.rank}:{worker}")
+            samples = shuffled(samples, self.shuffle_buffer, rng)
+        batch = []
+        for image, label in samples:
+            batch.append((self.transform(image), label))
+            if len(batch) == self.place.batch_size:
+                yield collate(batch)
+                batch = []
+        if batch and not self.shards.train:
+            yield collate(batch)
+
+    def samples(self, shard_indices):
+        from webdataset.tariterators import tarfile_samples
+
+        channels = self.shards.facts.get("in_channels", 3)
+        for i in shard_indices:
+            url, expected, seen = self.shards.urls[i], self.shards.counts[i], 0
+            try:
+                for sample in tarfile_samples([{"url": url}]):
+                    seen += 1
+                    yield decode(sample, url, channels)
+            except BadSampleError:
+                raise
+            except Exception as e:  # webdataset, tarfile and curl signal unreadable shards with many types
+                raise BadSampleError(f"shard {url}: cannot read it after {seen} sample(s) ({describe(e)}); check "
+                                     f"that it exists and is whole, or rewrite it with `hvd-train shard`") from None
+            if seen != expected:
+                raise BadSampleError(f"shard {url}: holds {seen} samples, its index says {expected}: the shard is "
+                                     f"cut short or the index is stale; rewrite them with `hvd-train shard`")
+
+
+def describe(error):
+    text = str(error.args[0]) if error.args else type(error).__name__
+    return text.split(" @ ")[0]  # webdataset appends the stream's repr
+
+
+def hash_seed(text):
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2 ** 63 - 1)
+
+
+def shuffled(samples, size, rng):
+    """A shuffle buffer of `size` samples, as webdataset's: streamed data cannot be shuffled whole."""
+    buffer = []
+    for sample in samples:
+        buffer.append(sample)
+        if len(buffer) >= size:
+            yield buffer.pop(rng.randrange(len(buffer)))
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+def collate(batch):
+    return torch.stack([image for image, _ in batch]), torch.tensor([label for _, label in batch])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loaders: what fit() needs of a training loader (len, iter) and of a sampler (set_epoch), in one object
+
+
+class ShardLoader:
+    """One split's loader for one rank. Training: len() is the steps every rank runs this epoch, and iterating
+    yields exactly that many full batches."""
+
+    def __init__(self, shards, spec, place, transform, context):
+        self.stream = ShardStream(shards, place, transform, spec.shuffle_buffer)
+        # Its own generator: the loader's seed draw leaves the training process's random numbers (dropout) alone.
+        self.loader = DataLoader(self.stream, batch_size=None, num_workers=spec.workers, pin_memory=spec.pin_memory,
+                                 persistent_workers=spec.workers > 0, multiprocessing_context=context,
+                                 generator=torch.Generator().manual_seed(spec.seed))
+        self.set_epoch(1)
+
+    def set_epoch(self, epoch):
+        if self.stream.shards.train:
+            p = self.stream.place
+            check_plan(self.stream.shards, p.world_size, p.batch_size, p.workers, epoch, p.seed)
+        self.stream.epoch[0] = epoch
+        self.steps = self.stream.plan(epoch)[1]
+
+    def __len__(self):
+        return self.steps
+
+    def __iter__(self):
+        for step, batch in enumerate(self.loader):
+            if step == self.steps:
+                break
+            yield batch

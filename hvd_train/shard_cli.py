@@ -1,0 +1,58 @@
+"""hvd-train shard: write a data set that ships as WebDataset tar shards and their index (data/shard_writer.py),
+for training from them with --dataset shards.
+
+    hvd-train shard --from imagefolder --data-dir photos/ --out shards/ --shard-size 5000
+    horovodrun -np 8 ... train_hvd.py --dataset shards \\
+        --data.train_shards 'shards/train-{000000..000099}.tar' --data.val_shards 'shards/val-{000000..000003}.tar'
+"""
+import argparse
+import sys
+
+from data import DATASETS, DataError, build_datasets
+from hvd_train.config import DataConfig
+from hvd_train.errors import ConfigError
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="hvd-train shard", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--from", dest="source", required=True,
+                   choices=sorted(name for name in DATASETS if name not in ("synthetic", "shards")),
+                   help="the data set to write, read from --data-dir as for training")
+    p.add_argument("--data-dir", default="datasets", help="where that data set is (default: %(default)s)")
+    p.add_argument("--out", required=True, help="the directory the shards and index.json go to (new or empty)")
+    p.add_argument("--shard-size", type=int, default=10000, help="samples per shard (default: %(default)s); at "
+                   "least one shard per rank: a job on N ranks needs N training shards or more")
+    p.add_argument("--image-size", type=int, default=0, help="the facts' image size (0: the data set's own)")
+    p.add_argument("--val-fraction", type=float, default=0.2, help="held out where the data set has no split")
+    p.add_argument("--split-seed", type=int, default=0, help="seed of that split")
+    args = p.parse_args(argv)
+    if args.shard_size < 1:
+        p.error(f"--shard-size {args.shard_size}: must be a positive number of samples")
+    return args
+
+
+def main(argv):
+    args = parse_args(argv)
+    try:
+        from data.shard_writer import write_shards
+
+        dc = DataConfig(dataset=args.source, data_dir=args.data_dir, image_size=args.image_size,
+                        val_fraction=args.val_fraction, split_seed=args.split_seed)
+        train, val, info = build_datasets(dc)
+        index = write_shards(train, val, info, args.source, args.out, args.shard_size)
+    except (DataError, ConfigError) as e:
+        print(f"hvd-train shard: error: {e}", file=sys.stderr)
+        return 2
+    shards = index["shards"]
+    for split in ("train", "val"):
+        names = sorted(n for n in shards if n.startswith(f"{split}-"))
+        print(f"{split}: {sum(shards[n] for n in names)} samples in {len(names)} shard(s): "
+              f"--data.{split}_shards '{args.out.rstrip('/')}/{split}-{{{names[0][len(split) + 1:-4]}.."
+              f"{names[-1][len(split) + 1:-4]}}}.tar'")
+    print(f"index: {args.out.rstrip('/')}/index.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
