@@ -27,9 +27,9 @@ from hvd_train.build import build_data, build_trainer, check_choices, load_initi
 from hvd_train.config import parse_config
 from hvd_train import doctor, interrupt, watchdog
 from hvd_train.engine import Hooks, fit
-from hvd_train.errors import CheckpointError, ConfigError, NonFiniteLossError
+from hvd_train.errors import CheckpointError, ConfigError, NonFiniteLossError, say
 from hvd_train.modes import benchmark, elastic, evaluate
-from hvd_train.reporting import finish, log_setup
+from hvd_train.reporting import finish, log_rescale, log_setup
 from hvd_train.run_dir import RunDir, check_writable, reported_write, write_json
 from hvd_train.run_state import AfterEpoch, RunState, checkpoint_fits, outputs_for, resume
 
@@ -96,6 +96,8 @@ def train(cfg, rt):
     outputs = outputs_for(cfg, info, trainer.task, rt.is_main, state)
     interrupt.describe_with(lambda: state.where(cfg.optim.epochs, run_dir.checkpoint("last.pt")))
     log_setup(cfg, rt, info, trainer, state.epoch)
+    if resume_from:
+        log_rescale(cfg, state.resumes[-1], len(train_loader))
     hvd_utils.decide_on_root(lambda: write_config(outputs.run_dir.config, cfg), "config")  # a full disk stops all
     # A rank that stops making progress ends the job with its name instead of hanging it (every rank starts it).
     watchdog.start(rt, cfg.run.freeze_timeout_s, f"Checkpoints in {outputs.run_dir.checkpoints} are written whole or "
@@ -135,11 +137,11 @@ def guarded(run):
         # Raised on every rank at the same point (checked on all, or sent from rank 0), so none waits on another;
         # rank 0 alone says it. Exit 2: a setting or a file to fix; 3: the training diverged.
         if hvd_utils.launcher_rank() == 0:
-            print(f"train_hvd.py: error: {e}", file=sys.stderr)
+            say(f"train_hvd.py: error: {e}")
         code = 3 if isinstance(e, NonFiniteLossError) else 2
     except BadSampleError as e:
         # Met by this rank alone, mid-epoch: it names the file; the other ranks stop as their peer is gone.
-        print(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: error: {e}", file=sys.stderr)
+        say(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: error: {e}")
         code = 2
     except interrupt.Interrupted as e:
         # Ctrl-C or SIGTERM: rank 0 says where the run stopped and where --resume auto continues.
@@ -151,12 +153,12 @@ def guarded(run):
             code = 128 + interrupt.signalled()
         else:
             # This rank was waiting in a collective when another one failed: that rank reports the cause.
-            print(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: stopping because another rank failed "
-                  f"(its error is reported above or by the launcher)", file=sys.stderr)
+            say(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: stopping because another rank failed (its error is "
+                f"reported above or by the launcher)")
             code = 1
     except Exception:
         # A bug or a fault on this rank alone: its traceback, once, with the rank named.
-        print(f"train_hvd.py: rank {hvd_utils.launcher_rank()} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        say(f"train_hvd.py: rank {hvd_utils.launcher_rank()} failed:\n{traceback.format_exc()}")
         code = 1
     finally:
         hvd_utils.shutdown()

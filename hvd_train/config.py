@@ -237,6 +237,8 @@ class RunConfig(_Section):
     stop_at: float = opt(0.0, "stop once an epoch reaches this (98: val top-1 98%; VAE: val loss <= it); 0: off")
     freeze_timeout_s: float = opt(300.0, "end the job, naming the rank that holds it up, when this rank has waited "
                                   "this many seconds without progress (0: never; fixed-size jobs)")
+    divergence_factor: float = opt(100.0, "stop every rank (exit 3) when an epoch's training loss exceeds this many "
+                                   "times the run's first-step loss: training that diverged but stayed finite; 0: off")
 
     def __post_init__(self):
         super().__post_init__()
@@ -247,6 +249,8 @@ class RunConfig(_Section):
         _require(self.freeze_timeout_s == 0 or self.freeze_timeout_s >= 10,
                  "run.freeze_timeout_s (--freeze-timeout)", self.freeze_timeout_s,
                  "must be a number of seconds of at least 10 (a step may take seconds), or 0 to never end a job")
+        _require(self.divergence_factor == 0 or self.divergence_factor > 1, "run.divergence_factor",
+                 self.divergence_factor, "must be above 1 (how many times the first loss means diverged), or 0 for off")
 
 
 @dataclass

@@ -34,11 +34,12 @@ class StepOptions:
     log_every: int = 20           # steps between the non-finite check and progress-bar updates
     show_progress: bool = False   # this rank draws the progress bar
     progress_every: float = 60.0  # seconds between progress lines when stderr is not a terminal
+    divergence_factor: float = 100.0  # an epoch's train loss above this x the first step's stops the run; 0: off
 
     @classmethod
     def from_config(cls, cfg, is_main):
         return cls(cfg.horovod.batches_per_allreduce, cfg.optim.amp, cfg.optim.clip_grad, cfg.logging.log_every,
-                   is_main and cfg.logging.progress, cfg.logging.progress_every)
+                   is_main and cfg.logging.progress, cfg.logging.progress_every, cfg.run.divergence_factor)
 
 
 @dataclass
@@ -187,6 +188,11 @@ def train_one_epoch(trainer, loader, epoch, hooks):
         t.schedule.apply(t.optimizer, hooks.position(epoch, step - 1, len(loader)))
         _add(total, train_step(t, to_device(batch, t.device)), t.device)
         hooks.after_step(epoch)
+        if step == 1 and epoch == 1 and hooks.state is not None:
+            # Every rank reduces here (an elastic worker that joined in epoch 1 too); a value is kept only once.
+            loss = first_loss(total)
+            if hooks.state.first_loss is None:
+                hooks.state.first_loss = loss
         if t.profiler is not None:
             t.profiler.step()
         bar.update(1)
@@ -203,6 +209,29 @@ def train_one_epoch(trainer, loader, epoch, hooks):
                             samples_s=f"{seen / (time.perf_counter() - start):.0f}", refresh=False)
     bar.close()
     return total
+
+
+def first_loss(total):
+    """The run's first step's loss, averaged over every rank's samples (one allreduce, once per run): what a
+    diverging run is measured against."""
+    sums = hvd_utils.allreduce_sums({"loss": total["loss"], "count": total["count"]}, name="first_loss")
+    return sums["loss"] / max(1.0, sums["count"])
+
+
+def check_divergence(train, epoch, first, factor):
+    """Training that diverged but stayed finite ends like a NaN: on every rank at once, before the epoch's
+    checkpoint replaces a good one. The rule: the epoch's training loss (reduced over the ranks) is above `factor`
+    times the run's first-step loss, where that is positive. The ranks agree through one tiny allreduce (an
+    elastic worker that joined later may hold another first loss, or none)."""
+    if not factor:
+        return
+    loss = train["loss"]
+    diverged = first is not None and first > 0 and loss > factor * first
+    if hvd_utils.sum_across_ranks(float(diverged), name="diverged") > 0:
+        first = first if first is not None else float("nan")
+        raise NonFiniteLossError(f"training diverged: the train loss of epoch {epoch} ({loss:.4g}) is more than "
+                                 f"{factor:g}x the first step's ({first:.4g}); lower --lr, use --warmup-epochs or "
+                                 f"--clip-grad, or pass --run.divergence_factor 0 if this loss may grow")
 
 
 @torch.no_grad()
@@ -245,7 +274,8 @@ def fit(trainer, train_loader, val_loader, hooks, first_epoch=1):
         lr = trainer.schedule.lr(hooks.position(epoch, 0, max(1, len(train_loader))))
         start = time.perf_counter()
         train_sums = train_one_epoch(trainer, train_loader, epoch, hooks)
-        record = close_epoch(trainer, train_sums, val_loader, EpochTiming(epoch, lr, start))
+        first = hooks.state.first_loss if hooks.state is not None else None
+        record = close_epoch(trainer, train_sums, val_loader, EpochTiming(epoch, lr, start, first))
         if hooks.epoch_end(epoch, record):
             break
 
@@ -255,6 +285,7 @@ class EpochTiming:
     epoch: int
     lr: float      # the rate at the epoch's first step
     start: float   # time.perf_counter() when its first step began
+    first_loss: Optional[float] = None  # the run's first step's loss, for the divergence check
 
 
 def close_epoch(trainer, train_sums, val_loader, timing):
@@ -263,6 +294,7 @@ def close_epoch(trainer, train_sums, val_loader, timing):
     since the reset; validation is always complete.)"""
     t = trainer
     train = t.task.finish(averages(reduce_sums(t.task, train_sums, name="train_sums")))
+    check_divergence(train, timing.epoch, timing.first_loss, t.opts.divergence_factor)
     epoch_seconds = time.perf_counter() - timing.start
     hvd_utils.average_buffers(t.model)  # BatchNorm statistics agree before validation and checkpoints
     val = evaluate_all(t.model, t.task, val_loader, t.device, t.opts.amp)

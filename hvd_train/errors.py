@@ -1,4 +1,5 @@
 """The errors a user can fix, each raised on every rank at the same point; train_hvd.cli reports them once."""
+import sys
 
 
 class ConfigError(ValueError):
@@ -11,3 +12,10 @@ class CheckpointError(ValueError):
 
 class NonFiniteLossError(RuntimeError):
     """A loss was NaN or infinite on at least one rank; raised on every rank at the same step."""
+
+
+def say(text):
+    """Write text and its newline to stderr in one write: mpirun and horovodrun tag each chunk a rank writes
+    ([1,0]<stderr>:), and print()'s separate newline would end the line with a stray tag."""
+    sys.stderr.write(f"{text}\n")
+    sys.stderr.flush()

@@ -15,8 +15,9 @@ ends itself.
 import contextlib
 import os
 import signal
-import sys
 import threading
+
+from hvd_train.errors import say
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STUCK_EXIT_S = 20.0  # after the report, how long a rank stuck in a collective waits before it ends itself
@@ -140,4 +141,4 @@ def report():
             where = " " + g.describe()
         except Exception as e:  # the state may be mid-update in the main thread; the signal still gets its line
             where = f" (position unknown: {type(e).__name__})"
-    print(f"train_hvd.py: interrupted by {signal.Signals(g.signum).name}{where}", file=sys.stderr, flush=True)
+    say(f"train_hvd.py: interrupted by {signal.Signals(g.signum).name}{where}")

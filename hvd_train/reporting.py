@@ -163,6 +163,26 @@ def log_setup(cfg, rt, info, trainer, resumed_epoch):
                  "batch again, for eval mode), so epoch 1 takes longer", cfg.model.compile_mode)
 
 
+def log_rescale(cfg, resumed, steps_per_epoch):
+    """One line when a run resumes on another number of ranks than it was checkpointed on (`resumed`: the
+    state's last resume record): the learning rate and the global batch scale with the ranks, and the schedule,
+    which runs by epochs, goes on from the same epoch with another number of steps per epoch."""
+    old, new = resumed.get("previous_world_size"), resumed["world_size"]
+    if not old or old == new:
+        return
+    h = cfg.horovod
+
+    def lr(ranks):
+        return cfg.optim.lr * hvd_utils.lr_scale(ranks, h.batches_per_allreduce, h.use_adasum)
+
+    def batch(ranks):
+        return cfg.optim.batch_size * h.batches_per_allreduce * ranks
+
+    log.info("resuming on %d rank(s) a run checkpointed on %d: learning rate %g -> %g, global batch %d -> %d (both "
+             "follow the ranks); the schedule goes on by epochs from epoch %d/%d, now of %d steps", new, old, lr(old),
+             lr(new), batch(old), batch(new), resumed["epoch"] + 1, cfg.optim.epochs, steps_per_epoch)
+
+
 def describe_samples(info):
     """' of 3x32x32, 10 classes' for images; the facts a user's data set gave otherwise."""
     if info.in_channels and info.image_size:

@@ -34,14 +34,16 @@ class RunState:
     closed_epoch: int = 0                # the last epoch whose record (and checkpoint, where due) is written
     in_epoch: int = 0                    # the epoch being trained (once its first step is under way)
     epoch_first_step: int = 0            # the value of `step` when it began
+    first_loss: Optional[float] = None   # the run's first step's loss (all ranks), what divergence is measured by
 
-    CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "history", "resumes")
+    CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "history", "resumes", "first_loss")
 
     def load(self, meta):
         """Take the counters, best metric, history and resume points a checkpoint holds."""
         self.epoch, self.step = meta["epoch"], meta.get("step") or 0
         self.best_metric, self.best_epoch, self.history = meta["best_metric"], meta["best_epoch"], list(meta["history"])
         self.resumes = list(meta.get("resumes") or [])
+        self.first_loss = meta.get("first_loss")
         self.wall_before = meta.get("wall_seconds") or (self.history[-1].get("wall_seconds", 0.0) if self.history
                                                         else 0.0)
         self.saved_epoch = self.closed_epoch = self.epoch
@@ -179,4 +181,4 @@ def resume(path, trainer, state, fits):
     hvd_utils.restore_rng(meta)
     state.load(meta)
     state.resumes.append({"epoch": state.epoch, "step": state.step, "world_size": hvd_utils.world_size(),
-                          "checkpoint": path, "time": time.time()})
+                          "previous_world_size": meta.get("world_size"), "checkpoint": path, "time": time.time()})

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import psutil
 
 import hvd_utils
+from hvd_train.errors import say
 
 EXIT_CODE = 4  # a rank froze: the job was ended by the watchdog
 _active = None  # the process's watchdog, if one runs: the engine's tick()/busy() reach it without being passed it
@@ -154,8 +155,8 @@ class Watchdog:
         ahead = [p for p in self.peers.values() if p not in silent and p.progress > self.progress]
         if ahead and not silent and not behind:
             # This rank is the one the others wait for: say where it is stuck, then end.
-            print(f"train_hvd.py: rank {self.me.rank} (host {self.me.host}) made no progress for {stalled} s "
-                  f"while the other ranks waited for it; where it is stuck:", file=sys.stderr, flush=True)
+            say(f"train_hvd.py: rank {self.me.rank} (host {self.me.host}) made no progress for {stalled} s while "
+                f"the other ranks waited for it; where it is stuck:")
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             os._exit(EXIT_CODE)
         culprits = silent or behind or unheard
@@ -163,9 +164,8 @@ class Watchdog:
         reporter = min(r for r in [self.me.rank, *self.peers] if r not in blamed)
         if self.me.rank == reporter:
             waited = "The other ranks waited for it in a collective; e" if culprits else "E"
-            print(f"train_hvd.py: error: {self.describe(culprits, silent, behind, stalled)} {waited}nding the job "
-                  f"(the limit is --freeze-timeout {self.timeout_s:g} s; 0 turns this off). {self.resume_hint}",
-                  file=sys.stderr, flush=True)
+            say(f"train_hvd.py: error: {self.describe(culprits, silent, behind, stalled)} {waited}nding the job "
+                f"(the limit is --freeze-timeout {self.timeout_s:g} s; 0 turns this off). {self.resume_hint}")
             os._exit(EXIT_CODE)
         # The reporter says it; leave it a moment to, then end this rank too (the launcher may already have).
         self.stopped.wait(self.timeout_s / 2 + 10)

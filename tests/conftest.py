@@ -103,6 +103,8 @@ def assert_refused(result, *needles):
     assert "Traceback" not in app_output(output), output[-3000:]
     lines = [line for line in output.splitlines() if "train_hvd.py: error:" in line]
     assert len(lines) == 1 and all(n in lines[0] for n in needles), output[-3000:]
+    # Whole lines: horovodrun tags every chunk a rank writes, so a newline written apart would end it with a tag.
+    assert not re.search(r"\S\[[\d,]+\]<std(?:out|err)>:", output), output[-3000:]
     return lines[0]
 
 

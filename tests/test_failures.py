@@ -194,7 +194,8 @@ def test_every_rank_needs_samples_and_a_whole_batch_of_them():
 @pytest.mark.distributed
 def test_a_batch_larger_than_a_rank_s_shard_stops_both_ranks_with_one_message(tmp_path):
     # Found after Horovod started (the shard size needs the number of ranks): rank 0's message, every rank stops.
-    proc = run_app("mpirun", 2, "--output-dir", tmp_path / "out", "--batch-size", "1000", check=False)
+    # Under horovodrun, which tags each chunk a rank writes: the message must stay one whole line.
+    proc = run_app("horovodrun-mpi", 2, "--output-dir", tmp_path / "out", "--batch-size", "1000", check=False)
     assert_refused(proc, "each of the 2 ranks holds only 719 of the 1438 training samples")
 
 

@@ -72,6 +72,37 @@ def test_a_non_finite_loss_stops_every_rank_together(tmp_path):
 
 
 @pytest.mark.distributed
+def test_a_run_that_diverges_but_stays_finite_stops_every_rank_together(tmp_path):
+    # Adam at a rate of 10 drives the digits' loss to ~1e7 within the first epoch, finite all along.
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "out", "--optimizer", "adam", "--lr", "10",
+                  "--epochs", "3", *QUIET, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 3 or "Exit code: 3" in output, output[-3000:]
+    lines = [line for line in output.splitlines() if "training diverged" in line]
+    assert len(lines) == 1 and "the train loss of epoch 1" in lines[0] and "--run.divergence_factor 0" in lines[0]
+    assert not (tmp_path / "out" / "summary.json").exists()
+    assert not (tmp_path / "out" / "checkpoints" / "last.pt").exists()
+
+
+def test_the_divergence_rule_can_be_turned_off(tmp_path, app):
+    result = app("--output-dir", tmp_path / "out", "--optimizer", "adam", "--lr", "10", "--epochs", "1",
+                 "--run.divergence_factor", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_json(tmp_path / "out" / "summary.json")["history"][0]["train_loss"] > 1000
+
+
+@pytest.mark.distributed
+def test_resuming_on_another_number_of_ranks_says_what_changes(tmp_path):
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "out", "--epochs", "2", *QUIET)
+    proc = launch("single", 1, TRAIN, "--output-dir", tmp_path / "out", "--epochs", "3", "--resume", "auto", *QUIET)
+    assert ("resuming on 1 rank(s) a run checkpointed on 2: learning rate 0.05 -> 0.025, global batch 64 -> 32 "
+            "(both follow the ranks); the schedule goes on by epochs from epoch 3/3, now of 45 steps") in proc.stdout
+    summary = read_json(tmp_path / "out" / "summary.json")
+    assert summary["world_size"] == 1
+    assert [(r["previous_world_size"], r["world_size"], r["epoch"]) for r in summary["resumes"]] == [(2, 1, 2)]
+
+
+@pytest.mark.distributed
 def test_vae_reports_reconstruction_and_kl_reduced_over_ranks(tmp_path):
     write_mnist(tmp_path / "data", n_train=96, n_test=40)
     launch("horovodrun-mpi", 2, TRAIN, "--output-dir", tmp_path / "out", "--config",
