@@ -1,11 +1,14 @@
-"""Check a hostfile before a job waits on it: `python hostfiles/validate.py FILE`.
+"""Check a hostfile before a job waits on it: `python hostfiles/validate.py FILE [--strict]`.
 
 Accepts the format both horovodrun (-hostfile) and OpenMPI's mpirun read: one host per line, `HOST slots=N`
 (OpenMPI's optional `max_slots=M` too), each host once, blank lines and `#` comments, Unix line endings. Exit 0
-and a one-line total when the file is valid; otherwise every problem as FILE:LINE: message, and exit 1.
+and a one-line total when the file is valid; otherwise every problem as FILE:LINE: message, and exit 1. A host
+name that does not resolve here is a warning (it may resolve only on the cluster's nodes); --strict makes it an
+error, for files checked where the job starts.
 """
 import re
 import shlex
+import socket
 import sys
 
 # A host name or IPv4/IPv6 address: letters, digits, dots, dashes, underscores, colons (IPv6), brackets.
@@ -108,7 +111,39 @@ def parse(lines, live=False):
     return hosts, errors
 
 
+RESOLVE_WAIT_S = 10  # for all names together: a resolver that does not answer must not hold the check up
+
+
+def resolve(host):
+    try:
+        socket.getaddrinfo(host.strip("[]"), None)
+        return None
+    except (socket.gaierror, UnicodeError) as e:
+        return getattr(e, "strerror", None) or str(e)
+
+
+def unresolved(hosts, lines):
+    """(line number, message) for each host name this machine cannot resolve (mpirun would stop at it)."""
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    pool = ThreadPoolExecutor(max_workers=8)
+    futures = {host: pool.submit(resolve, host) for host, _ in hosts}
+    wait(futures.values(), timeout=RESOLVE_WAIT_S)
+    pool.shutdown(wait=False, cancel_futures=True)
+    found = []
+    for host, future in futures.items():
+        error = future.result() if future.done() else f"no answer from the resolver within {RESOLVE_WAIT_S} s"
+        if error:
+            number = next(i for i, line in enumerate(lines, 1) if line.split("#", 1)[0].split()[:1] == [host])
+            found.append((number, f"{host} does not resolve here ({error}); mpirun and horovodrun stop at it with "
+                                  f"'Could not resolve hostname' unless it resolves where the job starts: fix the "
+                                  f"name or /etc/hosts"))
+    return found
+
+
 def main(argv):
+    strict = "--strict" in argv
+    argv = [a for a in argv if a != "--strict"]
     if len(argv) != 1:
         print(__doc__.strip().splitlines()[0], file=sys.stderr)
         return 2
@@ -127,6 +162,11 @@ def main(argv):
     for number, message in errors:
         print(f"{path}:{number}: {message}", file=sys.stderr)
     if errors:
+        return 1
+    unknown = unresolved(hosts, lines)
+    for number, message in unknown:
+        print(f"{path}:{number}: {'error' if strict else 'warning'}: {message}", file=sys.stderr)
+    if unknown and strict:
         return 1
     print(f"{path}: {len(hosts)} host(s), {sum(s for _, s in hosts)} slot(s): "
           + ", ".join(f"{h}:{s}" for h, s in hosts))

@@ -18,7 +18,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from hostfiles.validate import HostListError, parse, read_lines, windows_line_ending
+from hostfiles.validate import HostListError, parse, read_lines, resolve, windows_line_ending
 
 SSH_TIMEOUT = 60  # seconds for one ssh command: a host that does not answer within it is reported, not waited on
 
@@ -46,6 +46,7 @@ except Exception as e:
     facts["build"] = {"error": f"{type(e).__name__}: {e}"}
 import torch
 facts["gpus"] = torch.cuda.device_count()
+facts["cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 facts["mpirun"] = shutil.which("mpirun")
 path = os.path.abspath(sys.argv[1])
 while not os.path.exists(path):
@@ -183,7 +184,11 @@ def check_host(report, name, slots, facts, reference, args):
                    {"FAIL": f"{name}:{gpus}: one rank per GPU (ranks would share a GPU)",
                     "WARN": f"{name}:{gpus} uses every GPU"}.get(status, ""))
     else:
-        report.add(name, "slots", "ok", f"{slots} slot(s), no GPU (CPU ranks share the cores)")
+        cpus = facts.get("cpus") or 0
+        over = slots > cpus > 0
+        report.add(name, "slots", "WARN" if over else "ok", f"{slots} slot(s), no GPU, {cpus} CPU core(s)",
+                   f"{name}:{cpus} at most: more CPU ranks than cores share them, and every step waits for the "
+                   f"slowest rank" if over else "")
     if not args.gloo:
         report.add(name, "mpirun", "ok" if facts["mpirun"] else "FAIL", facts["mpirun"] or "not on PATH",
                    "" if facts["mpirun"] else "install OpenMPI on every host (scripts/install.sh), or launch with "
@@ -282,6 +287,12 @@ def main(argv):
                                       check=True).stdout.strip().splitlines()[-1])
     reachable = {}
     for name, facts, error in probe_all(hosts, list(slots)):
+        unresolved = resolve(name) if facts is None else None
+        if unresolved:  # ssh never got as far as a host
+            report.add(name, "ssh", "FAIL", f"{name} does not resolve here ({unresolved})",
+                       f"fix the name in the host list, or map {name} to its address in /etc/hosts (mpirun and "
+                       f"horovodrun need it to resolve on every host)")
+            continue
         if facts is None:
             report.add(name, "ssh", "FAIL", error,
                        f"check that sshd runs on {name}"

@@ -77,3 +77,20 @@ def test_a_hostfile_with_windows_line_endings_is_refused_before_any_host_is_cont
                           timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert f"{hostfile}:1: Windows line endings (CR LF), which mpirun -hostfile rejects" in proc.stderr
+
+
+def test_a_name_that_does_not_resolve_and_more_cpu_ranks_than_cores_are_named(tmp_path):
+    # No cluster needed: this host (local, no ssh) and a name no resolver knows (RFC 6761's .invalid).
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    proc = subprocess.run([BIN / "hvd-train", "doctor", "-H", f"localhost:{cores + 2},node-9.invalid:1",
+                           "--output-dir", tmp_path], capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    [(status, line, fix)] = rows(out, "node-9.invalid", "ssh")
+    assert status == "FAIL" and "node-9.invalid does not resolve here" in line and "/etc/hosts" in fix, out
+    assert "sshd" not in fix
+    [(status, line, fix)] = rows(out, "localhost", "slots")
+    assert status == "WARN" and f"{cores + 2} slot(s), no GPU, {cores} CPU core(s)" in line, out
+    assert f"localhost:{cores} at most" in fix

@@ -61,6 +61,19 @@ def test_each_problem_is_named_with_its_line(tmp_path, text, line, message):
     assert f"hosts.txt:{line}: " in report
 
 
+def test_a_host_name_that_does_not_resolve_is_a_warning_or_with_strict_an_error(tmp_path):
+    # mpirun stops at such a name ("Could not resolve hostname"); it may resolve only on the cluster's nodes.
+    proc = validate(tmp_path, "localhost slots=2\nnode-9.invalid slots=4\n")
+    assert proc.returncode == 0 and "2 host(s), 6 slot(s)" in proc.stdout
+    [warning] = proc.stderr.splitlines()
+    assert warning.startswith(f"{tmp_path / 'hosts.txt'}:2: warning: node-9.invalid does not resolve here (")
+    assert "Could not resolve hostname" in warning
+    strict = subprocess.run([sys.executable, str(VALIDATE), str(tmp_path / "hosts.txt"), "--strict"],
+                            capture_output=True, text=True, timeout=60)
+    assert strict.returncode == 1 and ":2: error: node-9.invalid does not resolve here" in strict.stderr
+    assert "localhost" not in strict.stderr and not strict.stdout
+
+
 def test_all_problems_are_reported_at_once(tmp_path):
     proc = validate(tmp_path, "a\nb slots=0\nc slots=1\n")
     assert proc.returncode == 1 and proc.stderr.count("hosts.txt:") == 2
