@@ -214,8 +214,10 @@ class CheckpointConfig(_Section):
 
 @dataclass
 class LoggingConfig(_Section):
-    progress: bool = opt(True, "rank 0 shows a progress bar per epoch (tqdm)")
-    progress_every: float = opt(60.0, "seconds between progress lines when stderr is not a terminal (logs, horovodrun)")
+    progress: bool = opt(True, "rank 0 shows its progress through each epoch: a bar (tqdm) on a terminal, under "
+                         "any launcher; a whole line every progress_every seconds in a log")
+    progress_every: float = opt(60.0, "seconds between progress lines where the output is not a terminal (a log "
+                                "file, a pipe); 0: none")
     log_every: int = opt(20, "steps between progress updates and the all-rank non-finite loss check")
     tensorboard: bool = opt(True, "write TensorBoard events to <output dir>/tensorboard")
     plot: bool = opt(True, "draw the loss and accuracy curves to <output dir>/curves.png at the end")

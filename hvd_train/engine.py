@@ -8,18 +8,17 @@ the learning rate, per-step work such as an elastic commit, and what follows eac
 """
 import contextlib
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from tqdm import tqdm
 
 import hvd_utils
 from hvd_train import watchdog
 from hvd_train.errors import NonFiniteLossError
 from hvd_train.metrics import averages
+from hvd_train.progress import Progress, on_terminal
 from hvd_train.tasks import first_tensor
 
 log = logging.getLogger("hvd_train")
@@ -32,14 +31,16 @@ class StepOptions:
     amp: str = "off"              # autocast dtype: off, bf16 or fp16
     clip_grad: float = 0.0        # clip the averaged gradients' norm to this; 0: off
     log_every: int = 20           # steps between the non-finite check and progress-bar updates
-    show_progress: bool = False   # this rank draws the progress bar
+    show_progress: bool = False   # this rank shows its progress
     progress_every: float = 60.0  # seconds between progress lines when stderr is not a terminal
+    terminal: bool = False        # stderr reaches a terminal (directly or through the launcher): a bar
     divergence_factor: float = 100.0  # an epoch's train loss above this x the first step's stops the run; 0: off
 
     @classmethod
     def from_config(cls, cfg, is_main):
+        show = is_main and cfg.logging.progress
         return cls(cfg.horovod.batches_per_allreduce, cfg.optim.amp, cfg.optim.clip_grad, cfg.logging.log_every,
-                   is_main and cfg.logging.progress, cfg.logging.progress_every, cfg.run.divergence_factor)
+                   show, cfg.logging.progress_every, show and on_terminal(), cfg.run.divergence_factor)
 
 
 @dataclass
@@ -177,11 +178,8 @@ def train_one_epoch(trainer, loader, epoch, hooks):
     t, opts = trainer, trainer.opts
     t.model.train()
     total = {}
-    # On a terminal the bar redraws in place. In a log (horovodrun and mpirun pipe the output) every redraw is a
-    # new line, so there it appears only for epochs longer than progress_every seconds, and updates that often.
-    quiet = 0.0 if sys.stderr.isatty() else opts.progress_every
-    bar = tqdm(total=len(loader), desc=f"epoch {epoch}/{t.epochs}", unit="step", disable=not opts.show_progress,
-               dynamic_ncols=True, leave=False, delay=quiet, mininterval=max(0.1, quiet))
+    # A bar where a person watches a terminal; whole lines every progress_every seconds in a log.
+    progress = Progress(epoch, t.epochs, len(loader), opts.show_progress, opts.progress_every, opts.terminal)
     start = time.perf_counter()
     for step, batch in enumerate(loader, 1):
         watchdog.tick()  # a batch in hand
@@ -195,19 +193,20 @@ def train_one_epoch(trainer, loader, epoch, hooks):
                 hooks.state.first_loss = loss
         if t.profiler is not None:
             t.profiler.step()
-        bar.update(1)
+        figures = {}
         if step % opts.log_every == 0 or step == len(loader):
             # The one host sync every log_every steps: all ranks learn whether any loss went non-finite. A NaN or
             # infinite loss leaves the running loss sum non-finite for good, so checking the sum covers every step.
             if hvd_utils.sum_across_ranks(~torch.isfinite(total["loss"]), name="nonfinite") > 0:
-                bar.close()
+                progress.close()
                 raise NonFiniteLossError(f"the loss became NaN or infinite at epoch {epoch}, step {step} on at "
                                          f"least one rank; lower --lr, use --clip-grad, or check the data")
             seen = float(total["count"])
-            bar.set_postfix(loss=f"{float(total['loss']) / max(1.0, seen):.4f}",
-                            lr=f"{t.optimizer.param_groups[0]['lr']:.3g}",
-                            samples_s=f"{seen / (time.perf_counter() - start):.0f}", refresh=False)
-    bar.close()
+            figures = {"loss": f"{float(total['loss']) / max(1.0, seen):.4f}",
+                       "lr": f"{t.optimizer.param_groups[0]['lr']:.3g}",
+                       "samples_s": f"{seen / (time.perf_counter() - start):.0f}"}
+        progress.update(step, **figures)
+    progress.close()
     return total
 
 

@@ -1,11 +1,13 @@
 """train_hvd.py's features end to end, as users run them: 2 ranks under horovodrun or mpirun, or one process."""
 import json
 import re
+import shlex
+import subprocess
 
 import pytest
 import torch
 
-from conftest import QUIET, ROOT, TRAIN, assert_refused, launch, read_json
+from conftest import QUIET, ROOT, TRAIN, assert_refused, job_env, launch, launch_command, read_json
 from formats import (write_cifar10, write_cifar100_binary, write_cifar_python, write_desktop_litter,
                      write_image_folder, write_mnist, write_stl10)
 
@@ -168,7 +170,7 @@ def test_every_published_layout_trains_on_2_ranks(tmp_path, layout):
 def test_what_people_see_and_what_rank_0_writes(tmp_path):
     out = tmp_path / "run"
     proc = launch("horovodrun-gloo", 2, TRAIN, "--output-dir", out, "--epochs", "2",
-                  "--config", ROOT / "configs" / "digits_cnn.yaml", "--logging.progress_every=0")
+                  "--config", ROOT / "configs" / "digits_cnn.yaml", "--logging.progress_every=0.001")
     start = proc.stdout
     for needle in ("2 rank(s), 2 per host", "device cpu", "controller Gloo", "tensor ops Gloo",
                    "batch 32 per rank x 2 ranks x 1 per allreduce = 64 global", "lr 0.025 base x 2 = 0.05"):
@@ -176,9 +178,10 @@ def test_what_people_see_and_what_rank_0_writes(tmp_path):
     lines = [line for line in start.splitlines() if re.search(r"epoch \d/2 ", line)]
     assert len(lines) == 2 and all("val loss" in line and "top-1" in line and "top-5" in line and "samples/s"
                                    in line for line in lines)
-    # The progress bar (tqdm, on stderr) comes from rank 0 only.
-    assert re.search(r"\[0\]<stderr>:.*epoch 1/2:.*step", proc.stderr)
-    assert not re.search(r"\[1\]<stderr>:.*epoch 1/2:", proc.stderr)
+    # Progress (on stderr) comes from rank 0 only; the output is a pipe here, as in a log: whole lines, no bar.
+    progress = [line for line in proc.stderr.splitlines() if "epoch 1/2:" in line]
+    assert progress and all(re.fullmatch(r"\[0\]<stderr>:epoch 1/2: step \d+/23 \(\d+%\), \d+s.*", line)
+                            for line in progress), progress  # (a bar's redraws would be lines of bars here)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1, 2] and "val_acc5" in metrics[0]
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
@@ -186,6 +189,19 @@ def test_what_people_see_and_what_rank_0_writes(tmp_path):
     summary = read_json(out / "summary.json")
     assert summary["config_name"] == "digits_cnn" and summary["curves_png"] == str(out / "curves.png")
     assert read_json(out / "config.json")["optim"]["epochs"] == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+def test_a_terminal_gets_a_progress_bar_under_the_launcher(tmp_path, launcher):
+    # `script` runs the launcher on a pseudo-terminal, as a person's shell does; the ranks' own output is a pipe.
+    args = [str(TRAIN), "--output-dir", str(tmp_path), "--epochs", "1"]
+    command = " ".join(shlex.quote(str(a)) for a in launch_command(launcher, 2, args))
+    proc = subprocess.run(["script", "-qec", command, "/dev/null"], cwd=ROOT, env=job_env(), capture_output=True,
+                          timeout=300)  # bytes: text mode would turn the bar's carriage returns into newlines
+    output = re.sub(r"\[[\d,]+\]<std(?:out|err)>:", "", proc.stdout.decode(errors="replace"))
+    assert proc.returncode == 0, output[-3000:]
+    assert re.search(r"\repoch 1/1: +\d+%\|.*\| \d+/23 \[", output), output[-3000:]  # tqdm redrawing in place
 
 
 def test_one_process_runs_a_recipe_with_overrides(tmp_path, app):
