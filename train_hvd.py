@@ -84,33 +84,36 @@ def train(cfg, rt):
     run_dir = RunDir(cfg.run.output_dir)
     resume_from = hvd_utils.decide_on_root(lambda: run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite),
                                            "output_dir")
-    state = RunState()
-    if resume_from:  # every rank gets the checkpoint's weights; refused before anything is written
-        resume(resume_from, trainer, state, checkpoint_fits(cfg, info, trainer.task))
-    else:
-        if cfg.checkpoint.resume:
-            log.info("--resume auto: no checkpoint in %s yet, starting afresh", run_dir.checkpoints)
-        load_initial_weights(cfg, trainer.model)  # --init-from, on rank 0
-        # Horovod: every rank starts from rank 0's weights and optimizer state.
-        hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
-    outputs = outputs_for(cfg, info, trainer.task, rt.is_main, state)
-    interrupt.describe_with(lambda: state.where(cfg.optim.epochs, run_dir.checkpoint("last.pt")))
-    log_setup(cfg, rt, info, trainer, state.epoch)
-    if resume_from:
-        log_rescale(cfg, state.resumes[-1], len(train_loader))
-    hvd_utils.decide_on_root(lambda: write_config(outputs.run_dir.config, cfg), "config")  # a full disk stops all
-    # A rank that stops making progress ends the job with its name instead of hanging it (every rank starts it).
-    watchdog.start(rt, cfg.run.freeze_timeout_s, f"Checkpoints in {outputs.run_dir.checkpoints} are written whole or "
-                   "not at all: --resume auto continues from the newest.")
-    try:
-        fit(trainer, train_loader, val_loader, Hooks(train_sampler, AfterEpoch(cfg, trainer, state, outputs), state),
-            first_epoch=state.epoch + 1)
-        if trainer.profiler is not None:
-            trainer.profiler.close()
-    finally:
-        watchdog.stop()
-        outputs.reporter.close()
-    return finish(cfg, rt, trainer, state, outputs.reporter)
+    # Rank 0 holds the directory's lock from the claim to the end of the run: a second job is refused meanwhile.
+    with run_dir.lock:
+        state = RunState()
+        if resume_from:  # every rank gets the checkpoint's weights; refused before anything is written
+            resume(resume_from, trainer, state, checkpoint_fits(cfg, info, trainer.task))
+        else:
+            if cfg.checkpoint.resume:
+                log.info("--resume auto: no checkpoint in %s yet, starting afresh", run_dir.checkpoints)
+            load_initial_weights(cfg, trainer.model)  # --init-from, on rank 0
+            # Horovod: every rank starts from rank 0's weights and optimizer state.
+            hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
+        outputs = outputs_for(cfg, info, trainer.task, rt.is_main, state)
+        interrupt.describe_with(lambda: state.where(cfg.optim.epochs, run_dir.checkpoint("last.pt")))
+        log_setup(cfg, rt, info, trainer, state.epoch)
+        if resume_from:
+            log_rescale(cfg, state.resumes[-1], len(train_loader))
+        # A full disk stops every rank.
+        hvd_utils.decide_on_root(lambda: write_config(outputs.run_dir.config, cfg), "config")
+        # A rank that stops making progress ends the job with its name instead of hanging it (every rank starts it).
+        watchdog.start(rt, cfg.run.freeze_timeout_s, f"Checkpoints in {outputs.run_dir.checkpoints} are written "
+                       "whole or not at all: --resume auto continues from the newest.")
+        try:
+            hooks = Hooks(train_sampler, AfterEpoch(cfg, trainer, state, outputs), state)
+            fit(trainer, train_loader, val_loader, hooks, first_epoch=state.epoch + 1)
+            if trainer.profiler is not None:
+                trainer.profiler.close()
+        finally:
+            watchdog.stop()
+            outputs.reporter.close()
+        return finish(cfg, rt, trainer, state, outputs.reporter)
 
 
 def write_config(path, cfg):

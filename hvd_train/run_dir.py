@@ -8,6 +8,7 @@
     <output dir>/tensorboard/       TensorBoard events
     <output dir>/checkpoints/       epoch_NNNN.pt, last.pt, best.pt
     <output dir>/profile/           --profile: rank<r>.trace.json (torch.profiler), horovod_timeline.json
+    <output dir>/.hvd-train.lock    while a job runs in it (hvd_train/run_lock.py)
 
 Only rank 0 writes, and every write goes through atomic_write: a reader, or a run killed halfway, sees the old
 file or the new one, never half of one.
@@ -19,6 +20,7 @@ import os
 import shutil
 
 from hvd_train.errors import CheckpointError
+from hvd_train.run_lock import RunLock
 
 
 class RunDir:
@@ -29,6 +31,7 @@ class RunDir:
 
     def __init__(self, root):
         self.root = root
+        self.lock = RunLock(root)  # taken by claim(), for one job at a time
         self.config = self.path("config.json")
         self.metrics = self.path("metrics.jsonl")
         self.summary = self.path("summary.json")
@@ -56,9 +59,21 @@ class RunDir:
         return resume
 
     def claim(self, resume, overwrite):
-        """Decide how a training run uses this directory without losing an earlier run; returns the checkpoint to
-        resume from, or None for a fresh start. A directory holding a run is continued (--resume), replaced
-        (--overwrite), or refused with the choices named."""
+        """Take the directory's lock (a job running in it refuses this one), then decide how this run uses it
+        without losing an earlier run; returns the checkpoint to resume from, or None for a fresh start. A
+        directory holding a run is continued (--resume), replaced (--overwrite), or refused with the choices named;
+        a refused run leaves the lock and a directory it made behind it as they were."""
+        existed = os.path.isdir(self.root)
+        self.lock.acquire()
+        try:
+            return self._decide(resume, overwrite)
+        except CheckpointError:
+            self.lock.release()
+            if not existed and not os.listdir(self.root):
+                os.rmdir(self.root)
+            raise
+
+    def _decide(self, resume, overwrite):
         found = [f for f in self.RUN_FILES if os.path.exists(self.path(f))]
         if resume:
             path = self.resolve(resume)

@@ -1,7 +1,9 @@
 """Failures end cleanly and lose nothing: crashing or killed ranks, checkpoints killed mid-write, used output
 directories, and bad input, each with one clear message and a non-zero exit, never a hang."""
+import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +15,8 @@ import torch
 from hvd_train import checkpoint
 from hvd_train.build import check_shards
 from hvd_train.errors import ConfigError
-from conftest import QUIET, ROOT, WORKERS, app_output, assert_refused, job_env, launch, read_json, run_app
+from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, job_env, launch, launch_command,
+                      read_json, run_app, wait_for)
 from formats import write_image_folder
 BOUND = 60  # seconds within which a job must have ended after one of its ranks failed
 
@@ -120,6 +123,46 @@ def test_killing_the_checkpoint_writer_at_any_moment_leaves_a_loadable_checkpoin
     assert last_epoch > 0, "the writer never finished a checkpoint: the test proved nothing"
     checkpoint.Checkpointer(str(tmp_path))
     assert not [name for name in os.listdir(tmp_path) if ".tmp." in name]
+
+
+@pytest.mark.distributed
+def test_a_second_job_in_the_same_output_dir_is_refused_and_a_dead_job_s_lock_taken_over(tmp_path):
+    out, lock = tmp_path / "run", tmp_path / "run" / ".hvd-train.lock"
+    command = launch_command("horovodrun-mpi", 2, [str(TRAIN), *QUIET, "--output-dir", str(out), "--epochs", "1000"])
+    first = subprocess.Popen(command, cwd=ROOT, env=job_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: lock.exists() and lock.read_text().endswith("}"), "the first job's lock")
+        holder = json.loads(lock.read_text())
+        second = run_app("horovodrun-mpi", 2, "--output-dir", out, "--epochs", "3", check=False)
+        assert_refused(second, f"--output-dir {out} is in use by the job whose rank 0 runs on {socket.gethostname()} "
+                               f"as pid {holder['pid']}, started ")
+        assert first.poll() is None, "the running job was disturbed"
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # as a host that dies: the lock stays behind
+        first.wait(timeout=60)
+    assert json.loads(lock.read_text())["pid"] == holder["pid"]
+    third = run_app("horovodrun-mpi", 2, "--output-dir", out, "--epochs", "2", "--overwrite")
+    assert f"taking over the lock of a job that is gone (pid {holder['pid']} on {socket.gethostname()} no longer " \
+           f"runs)" in third.stdout
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2 and not lock.exists()
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) <= 1
+
+
+def test_a_lock_from_another_host_holds_until_it_goes_stale(tmp_path, app):
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = out / ".hvd-train.lock"
+    lock.write_text(json.dumps({"host": "node-7", "pid": 4242, "started": time.time() - 60, "token": "x"}))
+    assert_refused(app("--output-dir", out, "--epochs", "1"), "is in use by the job whose rank 0 runs on node-7 as "
+                   "pid 4242", "5 minutes after its last sign of life")
+    assert lock.exists() and not (out / "config.json").exists()
+    stale = time.time() - 600
+    os.utime(lock, (stale, stale))  # node-7 died ten minutes ago
+    result = app("--output-dir", out, "--epochs", "1")
+    assert result.returncode == 0 and "taking over the lock of a job that is gone (its lock was not touched for" \
+        in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    assert not lock.exists() and (out / "summary.json").exists()
 
 
 def test_an_earlier_run_is_never_clobbered_by_accident(tmp_path, app):

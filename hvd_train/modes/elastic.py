@@ -179,6 +179,7 @@ def run(cfg, rt):
             trainer.profiler.close()
     finally:
         outputs.reporter.close()
+        outputs.run_dir.lock.release()  # held by the process that claimed the directory, while it lives
     rank, size, local_size = elastic.world()
     state.elastic = {"resets": st.resets, "steps_redone": st.redone, "commit_every": cfg.horovod.commit_every,
                      "steps": st.steps}
