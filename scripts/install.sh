@@ -120,29 +120,27 @@ echo "python: $("$PYTHON" --version 2>&1) ($PYTHON), compiler: $( (g++ --version
 step "Checking OpenMPI, ssh and curl"
 # Horovod's MPI controller needs the MPI headers and wrappers at build time and mpirun at run time; ranks on other
 # hosts are started over ssh (sshd also serves the two-host test, tests/test_multihost.py).
-ssh_cmd="apt-get install -y --no-install-recommends openssh-client openssh-server"
 can_apt=0
 if [ "$APT" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then can_apt=1; fi
-if command -v ssh >/dev/null 2>&1 && [ -x /usr/sbin/sshd ]; then
-    echo "found ssh and sshd"
-elif [ "$can_apt" = 1 ]; then
-    echo "installing ssh: $ssh_cmd"
-    apt-get update -q
-    DEBIAN_FRONTEND=noninteractive $ssh_cmd
-else
-    echo "note: no ssh client or server: single-host runs work; multi-host runs need them (sudo $ssh_cmd)"
-fi
+# optional_tool NAME CHECK APT_COMMAND NOTE: NAME is there (CHECK succeeds), or installed with apt where this may,
+# or NOTE says what works without it and the command that installs it.
+optional_tool() {
+    if eval "$2"; then
+        echo "found $1"
+    elif [ "$can_apt" = 1 ]; then
+        echo "installing $1: $3"
+        apt-get update -q
+        DEBIAN_FRONTEND=noninteractive $3
+    else
+        echo "note: no $1: $4 (sudo $3)"
+    fi
+}
+optional_tool "ssh and sshd" 'command -v ssh >/dev/null 2>&1 && [ -x /usr/sbin/sshd ]' \
+    "apt-get install -y --no-install-recommends openssh-client openssh-server" \
+    "single-host runs work; multi-host runs need them"
 # curl: webdataset reads tar shards from http(s):// URLs with it (--dataset shards).
-curl_cmd="apt-get install -y --no-install-recommends curl ca-certificates"
-if command -v curl >/dev/null 2>&1; then
-    echo "found curl"
-elif [ "$can_apt" = 1 ]; then
-    echo "installing curl: $curl_cmd"
-    apt-get update -q
-    DEBIAN_FRONTEND=noninteractive $curl_cmd
-else
-    echo "note: no curl: shards from local disks and pipe: commands work; http(s):// shards need it (sudo $curl_cmd)"
-fi
+optional_tool curl 'command -v curl >/dev/null 2>&1' "apt-get install -y --no-install-recommends curl ca-certificates" \
+    "shards from local disks and pipe: commands work; http(s):// shards need it"
 if [ "$MPI" = 0 ]; then
     echo "skipped (--no-mpi): Horovod is built with the Gloo controller alone; launch with horovodrun --gloo"
 elif command -v mpirun >/dev/null 2>&1 && command -v mpicxx >/dev/null 2>&1; then
