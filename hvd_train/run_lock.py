@@ -44,6 +44,9 @@ class RunLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self.read()
+                if holder is not None and (holder.get("host"), holder.get("pid")) == (mine["host"], mine["pid"]):
+                    os.remove(self.path)  # this process's own, from a run before in it (hvd_train.run() twice)
+                    continue
                 reason = self.gone(holder)
                 if reason is None:
                     raise CheckpointError(self.held_message(holder)) from None

@@ -165,9 +165,10 @@ def finished_epochs(run):
     return epochs_in(run) if (run / "metrics.jsonl").exists() else []
 
 
-def interrupted(proc, log, *signums):
+def interrupted(proc, log, *signums, launcher_fails=True):
     """The job ended on one of the signals (horovodrun --gloo turns a Ctrl-C into SIGTERM for the ranks); returns
-    its output and the epoch its message says --resume auto continues from."""
+    its output and the epoch its message says --resume auto continues from. launcher_fails: the launcher's own exit
+    status is non-zero too."""
     try:
         proc.wait(timeout=300)
     finally:
@@ -175,7 +176,7 @@ def interrupted(proc, log, *signums):
             os.killpg(proc.pid, signal.SIGKILL)
     output = log.read_text()
     name = "(?:" + "|".join(signal.Signals(n).name for n in signums) + ")"
-    assert proc.returncode != 0, output[-3000:]
+    assert proc.returncode != 0 or not launcher_fails, output[-3000:]
     assert "Traceback" not in app_output(output), output[-3000:]
     said = re.findall(rf"train_hvd.py: interrupted by {name} at (epoch (\d+)/300, after \d+ step\(s\) of it|the end "
                       rf"of epoch (\d+)/300); --resume auto continues from (\S+) \(the end of epoch (\d+)\)", output)
@@ -226,7 +227,9 @@ def test_sigterm_during_a_checkpoint_write_lets_it_finish(tmp_path, launcher):
         os.kill(proc.pid, signal.SIGTERM)
         wait_for(lambda: (markers / "writing").exists(), "the signal")  # sent; the write is still held
         (markers / "go").touch()
-        output, saved = interrupted(proc, log, signal.SIGTERM)
+        # What is checked here is the checkpoint and the message. horovodrun --gloo's own exit status after it was
+        # signalled itself was 0 once in a run under load (its Gloo runner ended the ranks); not the app's to set.
+        output, saved = interrupted(proc, log, signal.SIGTERM, launcher_fails=launcher == "single")
     assert saved == 2
     assert checkpoint.load(str(run / "checkpoints" / "last.pt"))["epoch"] == 2
 

@@ -234,14 +234,18 @@ def make_run(directory):
 
 
 def test_a_used_output_directory_is_continued_replaced_or_refused(tmp_path):
-    assert RunDir(str(tmp_path / "new")).claim("", overwrite=False) is None
+    def claim(root, resume, overwrite):
+        run_dir = RunDir(str(root))
+        with run_dir.lock:
+            return run_dir.claim(resume, overwrite)
+
+    assert claim(tmp_path / "new", "", overwrite=False) is None
     make_run(tmp_path)
     with pytest.raises(CheckpointError, match="already holds a run .*--resume auto.*--overwrite"):
-        RunDir(str(tmp_path)).claim("", overwrite=False)
-    assert RunDir(str(tmp_path)).claim("auto", overwrite=False) == str(
-        tmp_path / "checkpoints" / "last.pt")
-    assert RunDir(str(tmp_path)).claim("", overwrite=True) is None
-    assert sorted(os.listdir(tmp_path)) == ["notes.txt"], "only the run's own files are replaced"
+        claim(tmp_path, "", overwrite=False)
+    assert claim(tmp_path, "auto", overwrite=False) == str(tmp_path / "checkpoints" / "last.pt")
+    assert claim(tmp_path, "", overwrite=True) is None
+    assert sorted(os.listdir(tmp_path)) == ["new", "notes.txt"], "only the run's own files are replaced"
 
 
 def test_resume_auto_refuses_a_run_without_a_checkpoint(tmp_path):
