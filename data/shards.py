@@ -119,12 +119,17 @@ def deal(items, parts, offset):
     return list(items[offset::parts])
 
 
+def by_worker(items, workers):
+    """items dealt to a rank's loader workers (one reader where there are none)."""
+    return [deal(items, max(1, workers), w) for w in range(max(1, workers))]
+
+
 def train_plan(shards, epoch, seed, world_size, workers, batch_size):
     """[rank][worker] -> shard indices for this epoch, and the steps every rank runs."""
     order = list(range(len(shards.urls)))
     random.Random(f"{seed}:{epoch}").shuffle(order)  # a str seed hashes the same in every process
     per_rank = [deal(order, world_size, r) for r in range(world_size)]
-    per_worker = [[deal(mine, max(1, workers), w) for w in range(max(1, workers))] for mine in per_rank]
+    per_worker = [by_worker(mine, workers) for mine in per_rank]
     batches = [sum(sum(shards.counts[i] for i in part) // batch_size for part in parts) for parts in per_worker]
     return per_worker, min(batches)
 
@@ -204,12 +209,11 @@ class ShardStream(IterableDataset):
 
     def plan(self, epoch):
         """([worker] -> shard indices, steps) of this rank for `epoch`."""
-        p, workers = self.place, max(1, self.place.workers)
+        p = self.place
         if self.shards.train:
             parts, steps = train_plan(self.shards, epoch, p.seed, p.world_size, p.workers, p.batch_size)
             return parts[p.rank], steps
-        parts = [deal(deal(list(range(len(self.shards.urls))), p.world_size, p.rank), workers, w)
-                 for w in range(workers)]
+        parts = by_worker(deal(list(range(len(self.shards.urls))), p.world_size, p.rank), p.workers)
         return parts, sum(-(-sum(self.shards.counts[i] for i in part) // p.batch_size) for part in parts)
 
     def __iter__(self):
@@ -293,11 +297,11 @@ class ShardLoader:
         self.set_epoch(1)
 
     def set_epoch(self, epoch):
-        if self.stream.shards.train:
-            p = self.stream.place
-            check_plan(self.stream.shards, p.world_size, p.batch_size, p.workers, epoch, p.seed)
         self.stream.epoch[0] = epoch
         self.steps = self.stream.plan(epoch)[1]
+        if self.stream.shards.train and self.steps == 0:  # an epoch no rank can train: the refusal says why
+            p = self.stream.place
+            check_plan(self.stream.shards, p.world_size, p.batch_size, p.workers, epoch, p.seed)
 
     def __len__(self):
         return self.steps
