@@ -128,6 +128,14 @@ def cli():
         from hvd_train import shard_cli
 
         sys.exit(shard_cli.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["export"]:  # hvd-train export RUN_DIR --format onnx: the weights for use elsewhere
+        from hvd_train import export
+
+        sys.exit(export.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["predict"]:  # hvd-train predict RUN_DIR image.jpg: top classes of image files
+        from hvd_train import predict
+
+        sys.exit(predict.main(sys.argv[2:]))
     sys.exit(guarded(main))
 
 

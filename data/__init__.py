@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from data import cifar, mnist, shards, stl10
 from data.digits import load_digits_dataset
 from data.errors import BadSampleError, DataError
+from data.preprocessing import Preprocessing, class_names, describe
 from data.samplers import ShardSampler
 from data.split import split_indices
 from data.synthetic import SyntheticDataset
@@ -51,6 +52,8 @@ class DataInfo:
     num_train: int
     num_val: int
     extra: dict = field(default_factory=dict)  # a user's data set's other facts (vocab_size, block_size, ...)
+    classes: Optional[list] = None  # the classes' names in label order, where the data set knows them
+    preprocessing: Optional[Preprocessing] = None  # how an image file becomes a validation sample (predict, exports)
 
     def facts(self):
         """The facts a model factory may name as parameters: the known image facts and the extra ones."""
@@ -97,14 +100,16 @@ def build_datasets(dc):
         train, val, presplit = imagefolder.load(dc.data_dir, size, dc.skip_bad_files)
         classes = len(train.classes)
     train, val = _held_out(train, val, presplit, dc, f" in {dc.data_dir}")
-    return train, val, DataInfo(channels, classes, size, len(train), len(val))
+    return train, val, DataInfo(channels, classes, size, len(train), len(val),
+                                classes=class_names(dc.dataset, val), preprocessing=describe(val, size))
 
 
 def shard_sets(dc):
     """The training and validation ShardSets and their DataInfo, from the shard index."""
     train, val, facts = shards.open_sets(dc)
     size = dc.image_size or facts.get("image_size")
-    return train, val, DataInfo(facts.get("in_channels"), facts.get("num_classes"), size, len(train), len(val))
+    return train, val, DataInfo(facts.get("in_channels"), facts.get("num_classes"), size, len(train), len(val),
+                                classes=class_names(dc.dataset, val), preprocessing=describe(val, size))
 
 
 def _held_out(train, val, presplit, dc, where):
@@ -124,8 +129,17 @@ def users_datasets(train, val, facts, dc):
     training set is split by dc.val_fraction and dc.split_seed, as the built-in sets without a split are."""
     train, val = _held_out(train, train if val is None else val, val is not None, dc, "")
     facts = dict(facts)
+    # Not for the model factory: what predict and the exports need to feed the model image files.
+    named, recorded = class_names(dc.dataset, val, facts), facts.pop("preprocessing", None)
+    facts.pop("classes", None)
     image = [facts.pop(name, None) for name in IMAGE_FACTS]
-    return train, val, DataInfo(*image, len(train), len(val), extra=facts)
+    try:
+        preprocessing = Preprocessing.from_dict({"channels": image[0], "image_size": image[2], **recorded}) \
+            if recorded else None
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"--dataset={dc.dataset!r}: its facts' 'preprocessing' {recorded!r} is not usable ({e}); "
+                        f"give channels, image_size, mean, std and resize (stretch or center_crop)") from None
+    return train, val, DataInfo(*image, len(train), len(val), extra=facts, classes=named, preprocessing=preprocessing)
 
 
 def _worker_context(workers):

@@ -13,6 +13,7 @@ from hvd_train import interrupt
 from hvd_train.checkpoint import VERSION, Checkpointer
 from hvd_train.errors import CheckpointError
 from hvd_train.metrics import improved, reached
+from hvd_train.model_card import card_for
 from hvd_train.reporting import Reporter, seconds_since_start
 from hvd_train.run_dir import RunDir
 
@@ -97,6 +98,7 @@ class Outputs:
     checkpointer: Checkpointer
     reporter: Reporter
     fits: dict
+    card: dict  # what rebuilds and feeds the model outside the app (hvd_train/model_card.py)
 
 
 class AfterEpoch:
@@ -138,7 +140,7 @@ class AfterEpoch:
         return {"version": VERSION, "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
                 "scaler": t.scaler.state_dict() if t.scaler else None, "config": self.cfg.to_dict(),
                 "world_size": hvd_utils.world_size(), "rng": rng, "wall_seconds": self.state.wall_seconds(),
-                **self.out.fits, **self.state.checkpoint_fields()}
+                "model_card": self.out.card, **self.out.fits, **self.state.checkpoint_fields()}
 
     def write(self, epoch, record, payload, is_best):
         if payload is not None:
@@ -154,7 +156,7 @@ def outputs_for(cfg, info, task, is_main, state=None):
     return Outputs(run_dir, Checkpointer(run_dir.checkpoints, cfg.checkpoint.keep_last, enabled=is_main),
                    Reporter(run_dir.root, is_main, cfg.logging.tensorboard,
                             resumed_history=state.history if state is not None and state.saved_epoch else None),
-                   checkpoint_fits(cfg, info, task))
+                   checkpoint_fits(cfg, info, task), card_for(cfg, info, task).to_dict())
 
 
 def checkpoint_fits(cfg, info, task, continuing=True):

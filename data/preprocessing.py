@@ -1,0 +1,93 @@
+"""How an image file becomes the tensor a model was validated on, recorded with its weights.
+
+A checkpoint and every export carry this record, so `hvd-train predict` (and a user's own inference code) feed a
+model what its validation set fed it: the channels, the size and how the image is brought to it, the value scale
+and the normalisation. Two ways of sizing exist, as in the data sets that ship:
+  stretch      arrays (CIFAR, MNIST, STL-10, the digits): pixels / 255, resized to size x size (bilinear,
+               antialiased) where the size differs, then (x - mean) / std per channel;
+  center_crop  photos (image folders, their shards): the shorter side resized to size * 256 / 224, the centre
+               size x size cut out, pixels / 255, then (x - mean) / std (ImageNet's mean and std).
+"""
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from torch.utils.data import Subset
+
+from data.arrays import ImageTensorDataset
+
+RESIZES = ("stretch", "center_crop")
+CLASS_NAMES = {
+    "digits": tuple(str(i) for i in range(10)),
+    "mnist": tuple(str(i) for i in range(10)),
+    "fashion_mnist": ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                      "Ankle boot"),
+    "cifar10": ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"),
+    "stl10": ("airplane", "bird", "car", "cat", "deer", "dog", "horse", "monkey", "ship", "truck"),
+}
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    channels: int        # 1: the image is converted to grey ("L"); 3: to RGB
+    image_size: int      # the model's input is channels x image_size x image_size
+    mean: tuple          # per channel, subtracted after scaling pixels to 0..1
+    std: tuple           # per channel, divided by after the mean
+    resize: str = "stretch"  # RESIZES
+
+    def to_dict(self):
+        return {**asdict(self), "mean": list(self.mean), "std": list(self.std)}
+
+    @classmethod
+    def from_dict(cls, d):
+        if not isinstance(d, dict) or d.get("resize", "stretch") not in RESIZES:
+            raise ValueError(f"not a preprocessing record: {d!r}; expected channels, image_size, mean, std and "
+                             f"resize (one of {', '.join(RESIZES)})")
+        return cls(int(d["channels"]), int(d["image_size"]), tuple(map(float, d["mean"])),
+                   tuple(map(float, d["std"])), d.get("resize", "stretch"))
+
+    def transform(self):
+        """PIL image -> float tensor (channels, image_size, image_size), as validation prepared its samples."""
+        from torchvision import transforms as T
+
+        size = self.image_size
+        if self.resize == "center_crop":
+            steps = [T.Resize(int(round(size * 256 / 224))), T.CenterCrop(size), T.ToTensor()]
+        else:
+            steps = [T.ToTensor(), T.Resize((size, size), antialias=True)]
+        return T.Compose(steps + [T.Normalize(self.mean, self.std)])
+
+    def load(self, path):
+        """The image file at `path`, ready for the model (without the batch axis)."""
+        from PIL import Image
+
+        with Image.open(path) as image:
+            return self.transform()(image.convert("L" if self.channels == 1 else "RGB"))
+
+
+def describe(val_set, image_size) -> Optional[Preprocessing]:
+    """The preprocessing validation applies to the samples of a data set that ships, `val_set` (None where they
+    are not images that a file could stand for: synthetic noise)."""
+    base = val_set.dataset if isinstance(val_set, Subset) else val_set
+    facts = getattr(base, "facts", None)  # tar shards carry their index's facts
+    if isinstance(base, ImageTensorDataset) or (isinstance(facts, dict) and facts.get("transform") == "arrays"):
+        channels = base.images.shape[1] if isinstance(base, ImageTensorDataset) else facts["in_channels"]
+        mean = base.mean.flatten().tolist() if isinstance(base, ImageTensorDataset) else facts["mean"]
+        std = base.std.flatten().tolist() if isinstance(base, ImageTensorDataset) else facts["std"]
+        return Preprocessing(channels, image_size, tuple(mean), tuple(std), "stretch")
+    if hasattr(base, "classes") or (isinstance(facts, dict) and facts.get("transform") == "photos"):
+        from data.imagefolder import MEAN, STD
+
+        return Preprocessing(3, image_size, MEAN, STD, "center_crop")
+    return None
+
+
+def class_names(dataset_name, val_set, user_facts=None):
+    """The classes' names in label order, where the data set knows them (else None: labels are shown as numbers)."""
+    if user_facts and user_facts.get("classes"):
+        return [str(c) for c in user_facts["classes"]]
+    base = val_set.dataset if isinstance(val_set, Subset) else val_set
+    named = getattr(base, "classes", None) or (getattr(base, "facts", None) or {}).get("classes")
+    if named:
+        return [str(c) for c in named]
+    source = (getattr(base, "facts", None) or {}).get("source", dataset_name)
+    return list(CLASS_NAMES[source]) if source in CLASS_NAMES else None

@@ -1,0 +1,249 @@
+"""hvd-train export: a trained model as safetensors weights, TorchScript or ONNX, each checked when written.
+
+    hvd-train export runs/cifar10 --format onnx                 # runs/cifar10/export/model.onnx (+ .json)
+    hvd-train export runs/cifar10/checkpoints/epoch_0010.pt --format safetensors --out model.safetensors
+
+Every export gets a JSON file beside it (model.onnx.json): the model card (hvd_train/model_card.py: what rebuilds
+the model, its classes, the preprocessing it expects) and the parity check. The check runs the exported model and the
+PyTorch model on a batch of the run's own validation samples (read from the data set the checkpoint's config names;
+--data-dir where it moved) and compares every output within the format's tolerance. An export that fails the check
+is not kept.
+"""
+import argparse
+import contextlib
+import io
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+
+from data import DataError
+from hvd_train.config import config_from_dict
+from hvd_train.errors import CheckpointError, ConfigError, say
+from hvd_train.inference import SIDECAR, find_checkpoint, load_trained, load_runner, outputs
+from hvd_train.run_dir import write_json
+
+# Suffix of each format's file, and its tolerance (absolute, relative): safetensors holds the weights themselves, so
+# the rebuilt model must agree exactly; TorchScript runs the same kernels; onnxruntime has kernels of its own.
+FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "onnx": ".onnx"}
+TOLERANCE = {"safetensors": (0.0, 0.0), "torchscript": (1e-5, 1e-5), "onnx": (1e-4, 1e-3)}
+
+
+class ExportError(Exception):
+    """This model cannot be written in the format asked: the message names the layer or operator."""
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="hvd-train export", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("source", help="a run's output directory (its checkpoints/best.pt, else last.pt) or a checkpoint")
+    p.add_argument("--format", required=True, choices=sorted(FORMATS), help="what to write")
+    p.add_argument("--out", default="", help="the file to write (default: <run dir>/export/model<suffix>)")
+    p.add_argument("--data-dir", default="", help="where the validation data is, if not where the run read it")
+    p.add_argument("--samples", type=int, default=16, help="validation samples the parity check runs (default 16)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export at --out")
+    args = p.parse_args(argv)
+    if args.samples < 2:
+        p.error(f"--samples {args.samples}: the check needs at least 2 samples (the batch axis stays free)")
+    return args
+
+
+def default_out(checkpoint_path, fmt):
+    folder = os.path.dirname(os.path.abspath(checkpoint_path))
+    run_dir = os.path.dirname(folder) if os.path.basename(folder) == "checkpoints" else folder
+    return os.path.join(run_dir, "export", "model" + FORMATS[fmt])
+
+
+@dataclass
+class Batch:
+    images: torch.Tensor
+    described: str  # where the samples come from, for the printed check
+
+
+def validation_batch(ckpt, card, count, data_dir):
+    """The first `count` validation samples of the run's data set, as the run's validation read them."""
+    cfg = config_from_dict(ckpt.get("config") or {})
+    data = replace(cfg.data, download=False, workers=0, data_dir=data_dir or cfg.data.data_dir)
+    cfg = replace(cfg, data=data)
+    try:
+        from hvd_train.build import prepare_data
+
+        _, val_set, _ = prepare_data(cfg)
+    except (DataError, ConfigError, OSError) as e:
+        raise CheckpointError(f"the parity check needs the run's validation data, which cannot be read: {e} (pass "
+                              f"--data-dir where the {cfg.data.dataset} data is now)") from None
+    count = min(count, len(val_set))
+    if count < 2:
+        raise CheckpointError(f"the parity check needs 2 validation samples or more; {cfg.data.dataset} has "
+                              f"{len(val_set)}")
+    images = torch.stack([val_set[i][0] for i in range(count)])
+    return Batch(images, f"{count} validation samples of {cfg.data.dataset} ({cfg.data.data_dir})")
+
+
+@contextlib.contextmanager
+def layer_on_error(model):
+    """On an exception inside the model's forward, add the innermost layer that was running to it (.layer)."""
+    stack, seen = [], {}
+
+    def enter(name):
+        return lambda module, args: stack.append(name)
+
+    def leave(module, args, result):
+        if stack:
+            stack.pop()
+
+    handles = []
+    for name, module in model.named_modules():
+        handles += [module.register_forward_pre_hook(enter(name or "(the model)")), module.register_forward_hook(leave)]
+    try:
+        yield seen
+    except Exception as e:
+        seen["layer"] = stack[-1] if stack else None
+        raise e
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _layer_of(model, name):
+    if name in (None, "(the model)", ""):
+        return f"the model ({type(model).__name__})"
+    try:
+        return f"layer '{name}' ({type(model.get_submodule(name)).__name__})"
+    except AttributeError:
+        return f"layer '{name}'"
+
+
+def _failure(fmt, what, e):
+    first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return ExportError(f"cannot export to {fmt}: {what}: {type(e).__name__}: {first[:300]}; choose another "
+                       f"--format (safetensors always works), or change that part of the model")
+
+
+def write_torchscript(model, batch, path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation and tracer notes
+        try:
+            with layer_on_error(model) as seen:
+                traced = torch.jit.trace(model, batch, check_trace=False)
+        except Exception as e:
+            raise _failure("torchscript", f"{_layer_of(model, seen.get('layer'))} could not be traced", e) from None
+        torch.jit.save(traced, path)
+
+
+def write_onnx(model, batch, path):
+    """torch.export's graph of the model (batch axis free), converted to ONNX. A failure names the layer (from the
+    graph node's module stack) and the operator ONNX lacks."""
+    try:
+        with layer_on_error(model) as seen:
+            program = torch.export.export(model, (batch,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    except Exception as e:
+        raise _failure("onnx", f"{_layer_of(model, seen.get('layer'))} could not be captured by torch.export",
+                       e) from None
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(program, (batch,), path, dynamo=True, input_names=["images"], external_data=False)
+    except Exception as e:
+        raise _onnx_failure(model, program, e) from None
+
+
+def _onnx_failure(model, program, e):
+    text = str(e)
+    op = re.search(r"aten[.:]{1,2}([A-Za-z0-9_]+)", text)
+    if not op:
+        return _failure("onnx", "the conversion failed", e)
+    layer = None
+    try:  # the exporter's own decompositions name the operator; the same decompositions find its node
+        graph = program.run_decompositions().graph
+    except Exception:
+        graph = program.graph
+    for node in graph.nodes:
+        if f".{op.group(1)}." in f".{node.target}" and node.meta.get("nn_module_stack"):
+            layer = list(node.meta["nn_module_stack"].values())[-1][0]
+            break
+    where = _layer_of(model, layer)
+    return ExportError(f"cannot export to onnx: {where} uses the operator aten.{op.group(1)}, which has no ONNX "
+                       f"conversion; choose another --format (safetensors always works), or replace that operation")
+
+
+def write_safetensors(model, path):
+    from safetensors.torch import save_file
+
+    # safetensors refuses tensors that share memory: each is written as its own contiguous copy.
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, path)
+
+
+def parity(fmt, path, card, model, batch):
+    """(max |exported - pytorch| over every output, whether within tolerance, top-1 agreement or None)."""
+    meta = {"format": fmt, **card.to_dict()}
+    write_json(path + SIDECAR, meta)  # the loader reads the card from it
+    run, _ = load_runner(path)
+    with torch.no_grad():
+        expected = outputs(model(batch.images))
+    got = run(batch.images)
+    if len(got) != len(expected) or any(g.shape != x.shape for g, x in zip(got, expected)):
+        return float("inf"), False, None
+    atol, rtol = TOLERANCE[fmt]
+    worst = max(float((g - x).abs().max()) for g, x in zip(got, expected))
+    ok = all(bool(((g - x).abs() <= atol + rtol * x.abs()).all()) for g, x in zip(got, expected))
+    agree = None
+    if card.task == "classification":
+        agree = int((got[0].argmax(1) == expected[0].argmax(1)).sum())
+    return worst, ok, agree
+
+
+def export(args):
+    path = find_checkpoint(args.source)
+    model, card, ckpt = load_trained(path)
+    out = args.out or default_out(path, args.format)
+    if os.path.exists(out) and not args.overwrite:
+        raise CheckpointError(f"--out {out}: exists; pass --overwrite to replace it, or another --out")
+    batch = validation_batch(ckpt, card, args.samples, args.data_dir)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = f"{out}.tmp.{os.getpid()}"
+    try:
+        if args.format == "safetensors":
+            write_safetensors(model, tmp)
+        elif args.format == "torchscript":
+            write_torchscript(model, batch.images, tmp)
+        else:
+            write_onnx(model, batch.images, tmp)
+        worst, ok, agree = parity(args.format, tmp, card, model, batch)
+        atol, rtol = TOLERANCE[args.format]
+        check = (f"parity on {batch.described}: max |{args.format} - pytorch| = {worst:.3g}, tolerance "
+                 f"{atol:g} + {rtol:g} x |pytorch|" + (f"; top-1 agrees on {agree}/{len(batch.images)}"
+                                                      if agree is not None else ""))
+        if not ok:
+            raise ExportError(f"the {args.format} export does not match the PyTorch model ({check}); nothing written")
+        meta = {"format": args.format, "file": os.path.basename(out), "checkpoint": os.path.abspath(path),
+                "epoch": ckpt.get("epoch"), **card.to_dict(),
+                "input": {"name": "images", "shape": ["batch", *batch.images.shape[1:]], "dtype": "float32"},
+                "parity": {"samples": len(batch.images), "max_abs_diff": worst, "atol": atol, "rtol": rtol,
+                           "top1_agree": agree, "on": batch.described}}
+        os.replace(tmp, out)
+        write_json(out + SIDECAR, meta)
+    finally:
+        for leftover in (tmp, tmp + SIDECAR):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+    print(f"wrote {out} ({args.format}) from {path} (epoch {ckpt.get('epoch')}) and {out + SIDECAR}")
+    print(check)
+    return 0
+
+
+def main(argv):
+    args = parse_args(argv)
+    try:
+        return export(args)
+    except (CheckpointError, ConfigError, ExportError) as e:
+        say(f"hvd-train export: error: {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,71 @@
+"""What rebuilds a trained model and feeds it outside the app: recorded in every checkpoint (its "model_card" key)
+and written beside every export as JSON.
+
+    model, model_args   the factory (--model: a name that ships or package.module:name) and its --model-args
+    facts               the data set's facts the factory was called with (in_channels, num_classes, image_size, ...)
+    task                classification, vae or the user's task
+    classes             the classes' names in label order (null where the data set does not know them)
+    preprocessing       how an image file becomes an input (data/preprocessing.py; null for data that is not images)
+"""
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import models
+from data.preprocessing import Preprocessing
+from hvd_train.errors import CheckpointError
+from hvd_train.plugins import call, resolve
+
+
+@dataclass
+class ModelCard:
+    model: str
+    model_args: dict = field(default_factory=dict)
+    facts: dict = field(default_factory=dict)
+    task: str = "classification"
+    classes: Optional[list] = None
+    preprocessing: Optional[dict] = None
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d, where):
+        try:
+            return cls(**{k: d[k] for k in ("model", "model_args", "facts", "task", "classes", "preprocessing")})
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"{where}: not a model card hvd-train wrote (missing {e}); export the checkpoint "
+                                  f"again with hvd-train export") from None
+
+    def build(self):
+        """The model, freshly initialised on the CPU in eval mode (load its weights next)."""
+        factory = resolve(self.model, models.find_model, "the model", models.CHOICES)
+        model = call(factory, self.facts, self.model_args, "the model's arguments", self.model)
+        return model.eval()
+
+    def prepare(self):
+        """The Preprocessing of image files for this model; refused where the data was not images."""
+        if not self.preprocessing:
+            raise CheckpointError(f"the model {self.model} was trained on data that records no image preprocessing "
+                                  f"(synthetic data, or your own data set without a 'preprocessing' fact), so image "
+                                  f"files cannot be fed to it; README: Using the trained model")
+        return Preprocessing.from_dict(self.preprocessing)
+
+    def class_name(self, index):
+        return self.classes[index] if self.classes and index < len(self.classes) else str(index)
+
+
+def card_for(cfg, info, task):
+    """The card of a model trained with `cfg` on data `info` for `task`."""
+    return ModelCard(cfg.model.name, dict(cfg.model.args), info.facts(), task.name, info.classes,
+                     info.preprocessing.to_dict() if info.preprocessing else None)
+
+
+def card_of_checkpoint(ckpt, where):
+    """The card a checkpoint records; for a checkpoint written before cards existed, the one its config and fields
+    imply (the preprocessing of the data sets that ship follows from the data set's name)."""
+    if isinstance(ckpt.get("model_card"), dict):
+        return ModelCard.from_dict(ckpt["model_card"], where)
+    config = ckpt.get("config") or {}
+    facts = {k: ckpt[k] for k in ("in_channels", "num_classes", "image_size") if ckpt.get(k) is not None}
+    return ModelCard(ckpt.get("model_name") or config.get("model", {}).get("name", "?"),
+                     config.get("model", {}).get("args", {}), facts, ckpt.get("task", "classification"))

@@ -1,0 +1,107 @@
+"""hvd-train predict: the top classes of image files, from a checkpoint, a run directory or an export.
+
+    hvd-train predict runs/cifar10 photos/cat.png photos/more/        # a table: image, top-k classes
+    hvd-train predict runs/cifar10/export/model.onnx photos/ --json   # one JSON document
+
+Each image is prepared as the run's validation prepared its samples (the model card's preprocessing: channels,
+size, normalisation), so a prediction here is what validation would have made of the same picture.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from data.imagefolder import is_image_file
+from hvd_train.errors import CheckpointError, ConfigError, say
+from hvd_train.inference import load_runner
+
+BATCH = 64
+
+
+class InputError(Exception):
+    """An image argument that is missing, empty or not an image."""
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="hvd-train predict", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("model", help="a run's output directory, a checkpoint, or an export (model.safetensors, "
+                   "model.torchscript.pt, model.onnx, with the .json hvd-train export wrote beside it)")
+    p.add_argument("images", nargs="+", help="image files, or folders whose image files (recursively) are read")
+    p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    args = p.parse_args(argv)
+    if args.top_k < 1:
+        p.error(f"--top-k {args.top_k}: must be 1 or more")
+    return args
+
+
+def image_files(arguments):
+    """Every image file the arguments name, in order: files as given, folders' image files sorted."""
+    files = []
+    for arg in arguments:
+        if os.path.isdir(arg):
+            found = sorted(os.path.join(root, name) for root, dirs, names in os.walk(arg) for name in names
+                           if is_image_file(os.path.join(root, name)))
+            if not found:
+                raise InputError(f"{arg}: a folder with no image files (.jpg, .png, ...) in it")
+            files += found
+        elif os.path.isfile(arg):
+            files.append(arg)
+        else:
+            raise InputError(f"{arg}: no such file or folder")
+    return files
+
+
+def load_images(files, preprocessing):
+    tensors = []
+    for path in files:
+        try:
+            tensors.append(preprocessing.load(path))
+        except (OSError, SyntaxError, ValueError) as e:  # PIL's ways of saying "not an image I can read"
+            raise InputError(f"{path}: cannot read this image ({e}); give image files (.jpg, .png, ...)") from None
+    return torch.stack(tensors)
+
+
+def predict(args):
+    run, card = load_runner(args.model)
+    if card.task != "classification":
+        raise InputError(f"{args.model}: a {card.task} model; predict gives the classes of a classifier")
+    preprocessing = card.prepare()
+    files = image_files(args.images)
+    results = []
+    for start in range(0, len(files), BATCH):
+        chunk = files[start:start + BATCH]
+        probs = torch.softmax(run(load_images(chunk, preprocessing))[0].float(), dim=1)
+        top = probs.topk(min(args.top_k, probs.shape[1]), dim=1)
+        for path, values, indices in zip(chunk, top.values.tolist(), top.indices.tolist()):
+            results.append({"image": path, "top": [{"class": card.class_name(i), "index": i, "probability": p}
+                                                   for p, i in zip(values, indices)]})
+    return results
+
+
+def table(results):
+    width = max(len("image"), *(len(r["image"]) for r in results))
+    k = len(results[0]["top"])
+    lines = [f"{'image':<{width}}  " + "  ".join(f"top-{i + 1:<14}" for i in range(k)).rstrip()]
+    for r in results:
+        cells = [f"{t['class'][:12]} {100 * t['probability']:.1f}%" for t in r["top"]]
+        lines.append(f"{r['image']:<{width}}  " + "  ".join(f"{c:<18}" for c in cells).rstrip())
+    return "\n".join(lines)
+
+
+def main(argv):
+    args = parse_args(argv)
+    try:
+        results = predict(args)
+    except (CheckpointError, ConfigError, InputError) as e:
+        say(f"hvd-train predict: error: {e}")
+        return 2
+    print(json.dumps(results, indent=2) if args.json else table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

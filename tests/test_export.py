@@ -1,0 +1,215 @@
+"""After training: hvd-train export (safetensors, TorchScript, ONNX, each checked against the PyTorch model) and
+hvd-train predict (image files through the validation preprocessing), on runs of small_cnn, resnet18 and a user's
+plug-in model; and the README's lines that load a checkpoint for inference."""
+import inspect
+import json
+import re
+import subprocess
+import textwrap
+
+import onnxruntime
+import pytest
+import torch
+
+from conftest import BIN, ROOT, job_env, run_app
+from data.imagefolder import transforms
+from formats import write_image_folder
+
+PLUGIN = '''
+import torch
+from torch import nn
+
+
+class Spectrum(nn.Module):
+    """Eigenvalues of a 4x4 Gram matrix of each image's features: an operator ONNX has no conversion for."""
+
+    def forward(self, x):
+        b = x.flatten(1)[:, :16].reshape(-1, 4, 4)
+        return torch.linalg.eigvalsh(b @ b.transpose(1, 2))
+
+
+class TinyNet(nn.Module):
+    def __init__(self, in_channels, num_classes, width, spectral):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, width, 3, padding=1)
+        self.spectrum = Spectrum() if spectral else None
+        self.head = nn.Linear(4 if spectral else width, num_classes)
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x))
+        return self.head(self.spectrum(x) if self.spectrum is not None else x.mean((2, 3)))
+
+
+def tiny(in_channels, num_classes, width=8, spectral=False):
+    return TinyNet(in_channels, num_classes, width, spectral)
+'''
+FORMATS = ("safetensors", "torchscript", "onnx")
+
+
+def hvd_train(*args, cwd=ROOT):
+    return subprocess.run([str(BIN / "hvd-train"), *map(str, args)], cwd=cwd, env=job_env(), capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Trained runs: small_cnn on 2 ranks and resnet18 on photos in class folders, the plug-in on the digits."""
+    root = tmp_path_factory.mktemp("export")
+    photos = root / "photos"
+    write_image_folder(photos, per_class=8, size=24)
+    (root / "tinynets.py").write_text(PLUGIN)
+    data = ["--dataset", "imagefolder", "--data-dir", photos, "--image-size", 16]
+    run_app("horovodrun-gloo", 2, *data, "--epochs", 3, "--batch-size", 4, "--output-dir", root / "small_cnn")
+    run_app("single", 1, *data, "--model", "resnet18", "--epochs", 1, "--batch-size", 8, "--image-size", 32,
+            "--output-dir", root / "resnet18")
+    for name, args in (("plugin", ()), ("spectral", ("--model-args", "spectral=true"))):
+        run_app("single", 1, "--model", "tinynets:tiny", *args, "--epochs", 1, "--output-dir", root / name,
+                cwd=root)
+    return root
+
+
+def checkpoint_model(run_dir):
+    """The model of run_dir/checkpoints/best.pt rebuilt by the test itself: the factory of the model's name, the
+    facts the checkpoint records, its weights."""
+    import sys
+
+    import models
+
+    ckpt = torch.load(run_dir / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
+    card = ckpt["model_card"]
+    if ":" in card["model"]:
+        sys.path.insert(0, str(run_dir.parent))
+        module, _, attr = card["model"].partition(":")
+        factory = getattr(__import__(module), attr)
+        named = inspect.signature(factory).parameters  # the app passes a factory the facts it names
+        model = factory(**{k: v for k, v in card["facts"].items() if k in named}, **card["model_args"])
+        sys.path.remove(str(run_dir.parent))
+    else:
+        model = models.build_model(card["model"], **card["facts"], **card["model_args"])
+    model.load_state_dict(ckpt["model"])
+    return model.eval(), card
+
+
+def validation_images(root, run, count=8):
+    """The first photos of each class through the validation transform, as the run's validation saw them."""
+    from PIL import Image
+
+    size = checkpoint_model(root / run)[1]["facts"]["image_size"]
+    paths = sorted((root / "photos").glob("*/*.png"))[:count]
+    return paths, torch.stack([transforms(size, train=False)(Image.open(p).convert("RGB")) for p in paths])
+
+
+def exported(run_dir, fmt, cwd):
+    """run_dir's export in `fmt`, written now where an earlier test has not."""
+    path = run_dir / "export" / f"model{'.torchscript.pt' if fmt == 'torchscript' else '.' + fmt}"
+    if not path.exists():
+        run_export(run_dir, fmt, cwd)
+    return path
+
+
+def run_export(model_dir, fmt, cwd):
+    proc = hvd_train("export", model_dir, "--format", fmt, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    check = re.search(rf"parity on (\d+) validation samples .*: max \|{fmt} - pytorch\| = (\S+), tolerance", proc.stdout)
+    assert check, proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.parametrize("run", ["small_cnn", "resnet18", "plugin"])
+def test_every_format_matches_the_pytorch_model(runs, run):
+    """Each export is written with its card and its parity check, and, loaded here with the format's own runtime
+    (safetensors into the model rebuilt from the card, torch.jit.load, onnxruntime), gives the checkpoint's outputs."""
+    model, card = checkpoint_model(runs / run)
+    channels, size = card["facts"]["in_channels"], card["facts"]["image_size"]
+    images = torch.randn(5, channels, size, size)  # another batch size than the check's: the batch axis is free
+    with torch.no_grad():
+        expected = model(images)
+    for fmt in FORMATS:
+        out = exported(runs / run, fmt, cwd=runs)
+        meta = json.loads(out.with_name(out.name + ".json").read_text())
+        assert meta["format"] == fmt and meta["model"] == card["model"] and meta["facts"] == card["facts"]
+        assert meta["parity"]["samples"] >= 2 and meta["parity"]["max_abs_diff"] < 1e-2
+        if fmt == "safetensors":
+            from safetensors.torch import load_file
+
+            rebuilt, _ = checkpoint_model(runs / run)
+            rebuilt.load_state_dict(load_file(out))
+            got = rebuilt(images)
+            assert torch.equal(got, expected)
+        elif fmt == "torchscript":
+            got = torch.jit.load(str(out))(images)
+            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+        else:
+            session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+            got = torch.from_numpy(session.run(None, {"images": images.numpy()})[0])
+            assert torch.allclose(got, expected, atol=1e-4, rtol=1e-3)
+
+
+def test_an_operator_onnx_lacks_is_named_with_its_layer(runs):
+    proc = hvd_train("export", runs / "spectral", "--format", "onnx", cwd=runs)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "layer 'spectrum' (Spectrum)" in lines[0] and "aten._linalg_eigh" in lines[0], \
+        proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (runs / "spectral" / "export").exists() or not any((runs / "spectral" / "export").iterdir())
+    # The same model exports to the formats that can hold it.
+    run_export(runs / "spectral", "torchscript", cwd=runs)
+
+
+def test_export_refuses_to_overwrite_and_names_a_missing_run(runs, tmp_path):
+    before = exported(runs / "small_cnn", "safetensors", cwd=runs).read_bytes()
+    proc = hvd_train("export", runs / "small_cnn", "--format", "safetensors")
+    assert proc.returncode == 2 and "exists; pass --overwrite" in proc.stderr, proc.stderr
+    assert (runs / "small_cnn" / "export" / "model.safetensors").read_bytes() == before
+    proc = hvd_train("export", tmp_path / "nothing", "--format", "onnx")
+    assert proc.returncode == 2 and "no such file or directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "onnx", "torchscript"])
+def test_predict_gives_what_validation_gives(runs, source):
+    """predict on image files equals the checkpoint's model on the same photos through the validation transform,
+    with the class names of the folders."""
+    target = runs / "small_cnn" if source == "checkpoint" else exported(runs / "small_cnn", source, cwd=runs)
+    paths, images = validation_images(runs, "small_cnn")
+    model, _ = checkpoint_model(runs / "small_cnn")
+    with torch.no_grad():
+        probs = torch.softmax(model(images), dim=1)
+    proc = hvd_train("predict", target, *paths, "--json", "--top-k", "2")
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)
+    assert [r["image"] for r in results] == [str(p) for p in paths]
+    for r, p in zip(results, probs):
+        assert len(r["top"]) == 2 and r["top"][0]["index"] == int(p.argmax())
+        assert r["top"][0]["class"] == ("cat", "dog", "owl")[r["top"][0]["index"]]
+        assert abs(r["top"][0]["probability"] - float(p.max())) < 1e-4
+
+
+def test_predict_reads_folders_and_prints_a_table(runs):
+    proc = hvd_train("predict", runs / "resnet18", runs / "photos" / "owl", "--top-k", "3")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].split() == ["image", "top-1", "top-2", "top-3"]
+    assert len(lines) == 1 + 8 and all(re.search(r"owl/\d\.png( +\w+ \d+\.\d%){3}$", line) for line in lines[1:])
+
+
+def test_predict_refuses_what_is_not_an_image(runs, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a picture")
+    for arg, needle in ((tmp_path / "notes.txt", "notes.txt: cannot read this image"),
+                        (tmp_path / "missing.png", "missing.png: no such file or folder"),
+                        (tmp_path, "a folder with no image files")):
+        proc = hvd_train("predict", runs / "small_cnn", arg)
+        assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_readme_loads_a_checkpoint_for_inference(runs):
+    """The lines under README "Using the trained model" run as they are, on a run's checkpoint."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Using the trained model", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    script = code.replace("runs/cifar10", str(runs / "small_cnn")).replace("photo.jpg",
+                                                                            str(runs / "photos/dog/0.png"))
+    proc = subprocess.run([str(BIN / "python"), "-c", textwrap.dedent(script) + "\nprint('CLASS', name)"],
+                          cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^CLASS (cat|dog|owl)$", proc.stdout, re.MULTILINE), proc.stdout
