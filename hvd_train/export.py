@@ -38,7 +38,8 @@ class ExportError(Exception):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="hvd-train export", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="a run's output directory (its checkpoints/best.pt, else last.pt) or a checkpoint")
     p.add_argument("--format", required=True, choices=sorted(FORMATS), help="what to write")
     p.add_argument("--out", default="", help="the file to write (default: <run dir>/export/model<suffix>)")
@@ -215,9 +216,9 @@ def export(args):
             write_onnx(model, batch.images, tmp)
         worst, ok, agree = parity(args.format, tmp, card, model, batch)
         atol, rtol = TOLERANCE[args.format]
+        agreement = f"; top-1 agrees on {agree}/{len(batch.images)}" if agree is not None else ""
         check = (f"parity on {batch.described}: max |{args.format} - pytorch| = {worst:.3g}, tolerance "
-                 f"{atol:g} + {rtol:g} x |pytorch|" + (f"; top-1 agrees on {agree}/{len(batch.images)}"
-                                                      if agree is not None else ""))
+                 f"{atol:g} + {rtol:g} x |pytorch|{agreement}")
         if not ok:
             raise ExportError(f"the {args.format} export does not match the PyTorch model ({check}); nothing written")
         meta = {"format": args.format, "file": os.path.basename(out), "checkpoint": os.path.abspath(path),

@@ -26,7 +26,8 @@ class InputError(Exception):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="hvd-train predict", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a run's output directory, a checkpoint, or an export (model.safetensors, "
                    "model.torchscript.pt, model.onnx, with the .json hvd-train export wrote beside it)")
     p.add_argument("images", nargs="+", help="image files, or folders whose image files (recursively) are read")

@@ -110,7 +110,8 @@ def exported(run_dir, fmt, cwd):
 def run_export(model_dir, fmt, cwd):
     proc = hvd_train("export", model_dir, "--format", fmt, cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    check = re.search(rf"parity on (\d+) validation samples .*: max \|{fmt} - pytorch\| = (\S+), tolerance", proc.stdout)
+    check = re.search(rf"parity on (\d+) validation samples .*: max \|{fmt} - pytorch\| = (\S+), tolerance",
+                      proc.stdout)
     assert check, proc.stdout
     return proc.stdout
 
@@ -207,8 +208,8 @@ def test_the_readme_loads_a_checkpoint_for_inference(runs):
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Using the trained model", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
-    script = code.replace("runs/cifar10", str(runs / "small_cnn")).replace("photo.jpg",
-                                                                            str(runs / "photos/dog/0.png"))
+    script = code.replace("runs/cifar10", str(runs / "small_cnn"))
+    script = script.replace("photo.jpg", str(runs / "photos" / "dog" / "0.png"))
     proc = subprocess.run([str(BIN / "python"), "-c", textwrap.dedent(script) + "\nprint('CLASS', name)"],
                           cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
