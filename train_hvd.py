@@ -32,6 +32,7 @@ from hvd_train.modes import benchmark, elastic, evaluate
 from hvd_train.reporting import finish, log_rescale, log_setup
 from hvd_train.run_dir import RunDir, check_writable, reported_write, write_json
 from hvd_train.run_state import AfterEpoch, RunState, checkpoint_fits, outputs_for, resume
+from hvd_train.tracking import open_trackers
 
 log = logging.getLogger("hvd_train")
 
@@ -96,6 +97,7 @@ def train(cfg, rt):
             # Horovod: every rank starts from rank 0's weights and optimizer state.
             hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
         outputs = outputs_for(cfg, info, trainer.task, rt.is_main, state)
+        outputs.reporter.track(open_trackers(cfg, rt, state.tracking))  # MLflow, on rank 0
         interrupt.describe_with(lambda: state.where(cfg.optim.epochs, run_dir.checkpoint("last.pt")))
         log_setup(cfg, rt, info, trainer, state.epoch)
         if resume_from:
@@ -110,6 +112,10 @@ def train(cfg, rt):
             fit(trainer, train_loader, val_loader, hooks, first_epoch=state.epoch + 1)
             if trainer.profiler is not None:
                 trainer.profiler.close()
+        except BaseException as e:
+            # The tracker's run ends too: killed (Ctrl-C, SIGTERM) or failed; --resume continues it.
+            outputs.reporter.end_tracking(None, [], "KILLED" if isinstance(e, interrupt.Interrupted) else "FAILED")
+            raise
         finally:
             watchdog.stop()
             outputs.reporter.close()

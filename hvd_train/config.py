@@ -221,6 +221,10 @@ class LoggingConfig(_Section):
     log_every: int = opt(20, "steps between progress updates and the all-rank non-finite loss check")
     tensorboard: bool = opt(True, "write TensorBoard events to <output dir>/tensorboard")
     plot: bool = opt(True, "draw the loss and accuracy curves to <output dir>/curves.png at the end")
+    mlflow: bool = opt(False, "log the run to MLflow from rank 0: a SQLite store in the output directory "
+                       "(<output dir>/mlflow.db) unless --mlflow-uri names a tracking server")
+    mlflow_uri: str = opt("", "MLflow tracking URI (http://host:5000, sqlite:///path.db, databricks); implies --mlflow")
+    mlflow_experiment: str = opt("hvd-train", "MLflow experiment the run is logged in (created if missing)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -379,6 +383,8 @@ ALIASES = {
     "num-warmup-batches": "benchmark.num_warmup_batches",
     "num-iters": "benchmark.num_iters",
     "num-batches-per-iter": "benchmark.num_batches_per_iter",
+    "mlflow": "logging.mlflow",
+    "mlflow-uri": "logging.mlflow_uri",
     "profile": "profile.enabled",
     "profile-start": "profile.start",
     "profile-steps": "profile.steps",

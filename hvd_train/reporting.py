@@ -25,7 +25,7 @@ class Reporter:
     def __init__(self, output_dir, enabled, tensorboard=True, resumed_history=None):
         self.dir, self.enabled, self.tensorboard, self.writer = RunDir(output_dir), False, tensorboard, None
         self.jsonl = self.dir.metrics
-        self.purge_step = None
+        self.purge_step, self.trackers = None, []
         if enabled and resumed_history:
             with reported_write(self.jsonl):
                 atomic_write(self.jsonl, lambda f: f.writelines(_line(r) for r in resumed_history))
@@ -47,9 +47,16 @@ class Reporter:
             self.close()
         self.enabled = enabled
 
-    def epoch(self, record):
+    def track(self, trackers):
+        """Experiment trackers (hvd_train/tracking.py) that get each epoch's record and, at the end, the summary."""
+        self.trackers = list(trackers)
+
+    def epoch(self, record, committed=True):
+        """`committed`: the checkpoint that holds this epoch is written (trackers send committed records only)."""
         if not self.enabled:
             return
+        for tracker in self.trackers:
+            tracker.epoch(record, committed)
         with reported_write(self.jsonl):
             with open(self.jsonl, "a") as f:
                 f.write(_line(record))
@@ -88,6 +95,12 @@ class Reporter:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+    def end_tracking(self, summary, files, status="FINISHED"):
+        """The trackers' last records, the summary and the files; the run ends with `status` (FAILED, KILLED)."""
+        for tracker in self.trackers:
+            tracker.finish(summary, files, status)
+        self.trackers = []
 
     def close(self):
         if self.writer is not None:
@@ -206,6 +219,7 @@ def finish(cfg, rt, trainer, state, reporter):
             summary["curves_png"] = reporter.plot(state.history) if cfg.logging.plot else None
         with reported_write(path):
             write_json(path, summary)
+        reporter.end_tracking(summary, [path, run_dir.metrics, run_dir.config, summary["curves_png"]])
         log.info("done: best %s %.4g (epoch %s), %.0f train samples/s, %.1fs wall; summary in %s",
                  task.best_metric, state.best_metric, state.best_epoch, summary["train_samples_per_sec"],
                  summary["wall_seconds"], path)

@@ -36,8 +36,9 @@ class RunState:
     in_epoch: int = 0                    # the epoch being trained (once its first step is under way)
     epoch_first_step: int = 0            # the value of `step` when it began
     first_loss: Optional[float] = None   # the run's first step's loss (all ranks), what divergence is measured by
+    tracking: dict = field(default_factory=dict)  # the experiment trackers' run ids (hvd_train/tracking.py)
 
-    CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "history", "resumes", "first_loss")
+    CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "history", "resumes", "first_loss", "tracking")
 
     def load(self, meta):
         """Take the counters, best metric, history and resume points a checkpoint holds."""
@@ -45,6 +46,7 @@ class RunState:
         self.best_metric, self.best_epoch, self.history = meta["best_metric"], meta["best_epoch"], list(meta["history"])
         self.resumes = list(meta.get("resumes") or [])
         self.first_loss = meta.get("first_loss")
+        self.tracking = dict(meta.get("tracking") or {})
         self.wall_before = meta.get("wall_seconds") or (self.history[-1].get("wall_seconds", 0.0) if self.history
                                                         else 0.0)
         self.saved_epoch = self.closed_epoch = self.epoch
@@ -146,7 +148,7 @@ class AfterEpoch:
         if payload is not None:
             self.out.checkpointer.save(payload, epoch, is_best=is_best)
             self.state.saved_epoch = epoch
-        self.out.reporter.epoch(record)
+        self.out.reporter.epoch(record, committed=payload is not None)
 
 
 def outputs_for(cfg, info, task, is_main, state=None):
