@@ -55,9 +55,11 @@ def check_choices(cfg):
         raise ConfigError(f"--compile on the CPU needs a C++ compiler (torch.compile turns the model into C++ and "
                           f"builds it), and {os.environ.get('CXX') or 'g++'} is not on PATH; install g++ "
                           f"(apt-get install g++) or point CXX at one, or leave out --compile")
-    if cfg.horovod.elastic and (cfg.logging.mlflow or cfg.logging.mlflow_uri):
-        raise ConfigError("--mlflow with --elastic: not supported yet (the rank that logs can change at each reset); "
-                          "track the run's metrics.jsonl, or train on a fixed set of ranks")
+    tracked = [flag for flag, on in (("--mlflow", cfg.logging.mlflow or cfg.logging.mlflow_uri),
+                                     ("--wandb", cfg.logging.wandb)) if on]
+    if cfg.horovod.elastic and tracked:
+        raise ConfigError(f"{tracked[0]} with --elastic: not supported yet (the rank that logs can change at each "
+                          f"reset); track the run's metrics.jsonl, or train on a fixed set of ranks")
     if cfg.horovod.sync_bn and not torch.cuda.is_available():
         raise ConfigError("--sync-bn needs GPUs: Horovod's SyncBatchNorm works on CUDA tensors only (no CUDA "
                           "device is visible). On the CPU, leave it off: BatchNorm statistics are averaged over "

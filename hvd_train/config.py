@@ -225,6 +225,9 @@ class LoggingConfig(_Section):
                        "(<output dir>/mlflow.db) unless --mlflow-uri names a tracking server")
     mlflow_uri: str = opt("", "MLflow tracking URI (http://host:5000, sqlite:///path.db, databricks); implies --mlflow")
     mlflow_experiment: str = opt("hvd-train", "MLflow experiment the run is logged in (created if missing)")
+    wandb: bool = opt(False, "log the run to Weights & Biases offline from rank 0: <output dir>/wandb/offline-run-*, "
+                      "uploaded later with `wandb sync` (no network while training)")
+    wandb_project: str = opt("hvd-train", "W&B project of the run")
 
     def __post_init__(self):
         super().__post_init__()
@@ -385,6 +388,7 @@ ALIASES = {
     "num-batches-per-iter": "benchmark.num_batches_per_iter",
     "mlflow": "logging.mlflow",
     "mlflow-uri": "logging.mlflow_uri",
+    "wandb": "logging.wandb",
     "profile": "profile.enabled",
     "profile-start": "profile.start",
     "profile-steps": "profile.steps",

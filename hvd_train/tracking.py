@@ -1,19 +1,21 @@
-"""Experiment tracking on rank 0: MLflow (--mlflow, --mlflow-uri).
+"""Experiment tracking on rank 0: MLflow (--mlflow, --mlflow-uri) and Weights & Biases offline (--wandb).
 
-What is logged: the resolved config as parameters; tags for the world size, controller and Horovod version; each
-epoch's record (the same exact sums as metrics.jsonl) as metrics at step = epoch; at the end the summary's numbers as
-metrics, and summary.json, metrics.jsonl, config.json and curves.png as artifacts.
+What is logged: the resolved config as parameters; the world size, controller and Horovod version; each epoch's
+record (the same exact sums as metrics.jsonl) as metrics at step = epoch; at the end the summary's numbers, and
+summary.json, metrics.jsonl, config.json and curves.png as files.
 
 One run, one history. A record is sent once its epoch is committed, that is once the checkpoint that holds it is
 written (every epoch by default): an epoch that a crash makes the resumed run train again was never sent, so no epoch
-appears twice. The MLflow run's id is kept in the checkpoint; --resume continues that run.
+appears twice. Each tracker's run id is kept in the checkpoint; --resume continues that run.
 
-A tracking server that is down or refuses a write never stops training: the first failure is one warning, the
-records meanwhile are kept and sent again at the end, and what still could not be sent is said then.
+A tracker that fails (a server down or refusing a write, a full disk) never stops training: the first failure is one
+warning, the records meanwhile are kept and sent again at the end, and what still could not be sent is said then.
 """
 import logging
 import math
 import os
+import secrets
+import shutil
 import time
 from importlib import metadata
 
@@ -21,46 +23,101 @@ log = logging.getLogger("hvd_train")
 
 # MLflow's client retries a failed request 7 times with exponential backoff (minutes): a server that is down
 # would hold rank 0, and with it every rank, for that long at each epoch. A user's own settings win.
-CLIENT_SETTINGS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                   "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+MLFLOW_CLIENT_SETTINGS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 PARAMS_PER_CALL = 100  # MLflow's limit per log_batch
 
 
 def local_uri(output_dir):
-    """The store used without --mlflow-uri: a SQLite file in the output directory (`mlflow ui --backend-store-uri`
-    opens it)."""
+    """The MLflow store used without --mlflow-uri: a SQLite file in the output directory (`mlflow ui
+    --backend-store-uri` opens it)."""
     return "sqlite:///" + os.path.abspath(os.path.join(output_dir, "mlflow.db"))
 
 
-def flatten(config, prefix=""):
-    """{'optim.lr': 0.1, ...} from the nested config dict."""
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict) and value and prefix == "":
-            out.update(flatten(value, f"{key}."))
-        else:
-            out[prefix + key] = value
-    return out
+def flatten(config):
+    """{'optim.lr': 0.1, ...} from the nested config dict (a plug-in's argument mapping stays one value)."""
+    return {f"{section}.{key}": value for section, fields in config.items() for key, value in fields.items()}
 
 
-class MlflowTracker:
+def run_facts(rt):
+    return {"world_size": rt.size, "controller": rt.controller, "horovod_version": _version("horovod")}
+
+
+class Tracker:
+    """The rules every tracker follows; a subclass says how to start, send records, the summary and files, and end.
+    `where` names the tracker in messages; `run_id` is set once its run exists."""
+    where = ""
+
+    def __init__(self, run_id):
+        self.run_id, self.pending, self.failed = run_id, [], []
+        self.down = self.warned = False  # it failed once this run; that was said
+
+    def epoch(self, record, committed):
+        """Keep the epoch's record; send what is committed (this epoch and those kept before it)."""
+        self.pending.append(record)
+        if committed:
+            self._send_pending()
+
+    def _send_pending(self):
+        if self.pending and self._call(f"the metrics of epoch(s) {_span([r['epoch'] for r in self.pending])}",
+                                       lambda: self.send(self.pending)):
+            self.pending = []
+
+    def finish(self, summary, files, status="FINISHED"):
+        """The records still kept (a finished run), the summary's numbers and the files; then the run's status.
+        Says what could not be sent."""
+        if self.run_id is None:
+            log.warning("%s: nothing was logged: the run could not be started", self.where)
+            return
+        self.down, self.failed = False, []  # whatever failed may work now: everything is tried once more
+        if status == "FINISHED":  # (a run that stopped early keeps its uncommitted epochs out: they are redone)
+            self._send_pending()
+        if summary:
+            per_epoch = set(summary["history"][-1]) if summary.get("history") else set()  # (the lr is in both)
+            final = {k: v for k, v in summary.items() if _number(v) and k not in per_epoch}
+            self._call("the summary's metrics", lambda: self.send_summary(final, summary.get("epochs") or 0))
+        for path in files:
+            if path and os.path.exists(path):
+                self._call(os.path.basename(path), lambda p=path: self.send_file(p))
+        self._call("the run's end", lambda: self.end(status))
+        if self.failed:
+            log.warning("%s: not logged: %s", self.where, "; ".join(self.failed))
+
+    def _call(self, what, fn):
+        """fn(), unless this tracker was found failing; the first failure is said, none stops training. Returns
+        whether fn() succeeded."""
+        if not self.down:
+            try:
+                fn()
+                return True
+            except Exception as e:  # a server down or refusing a write, a store that cannot be opened: all alike
+                self.down = True
+                if not self.warned:
+                    self.warned = True
+                    first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+                    log.warning("%s: could not log %s (%s: %s); training goes on, and what is not logged is said "
+                                "at the end", self.where, what, type(e).__name__, first[:300])
+        self.failed.append(what)
+        return False
+
+
+class MlflowTracker(Tracker):
     name = "mlflow"
 
     def __init__(self, cfg, rt, run_id=None):
-        for key, value in CLIENT_SETTINGS.items():
+        super().__init__(run_id)
+        for key, value in MLFLOW_CLIENT_SETTINGS.items():
             os.environ.setdefault(key, value)
         self.uri = cfg.logging.mlflow_uri or local_uri(cfg.run.output_dir)
-        self.run_id, self.pending, self.failed = run_id, [], []
-        self.down = self.warned = False  # the server failed once this run; that was said
-        self._call("the run's start", lambda: self._start(cfg, rt))
+        self.where = f"MLflow ({self.uri})"
+        self._call("the run's start", lambda: self.start(cfg, rt))
 
-    def _start(self, cfg, rt):
+    def start(self, cfg, rt):
         from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=self.uri)
-        tags = {"world_size": rt.size, "controller": rt.controller, "horovod_version": _version("horovod"),
-                "hvd_train.output_dir": os.path.abspath(cfg.run.output_dir)}
+        tags = {**run_facts(rt), "hvd_train.output_dir": os.path.abspath(cfg.run.output_dir)}
         if self.run_id:  # a resumed run continues its MLflow run
             self.client.update_run(self.run_id, status="RUNNING")
             logged = self.client.get_run(self.run_id).data.params
@@ -74,8 +131,7 @@ class MlflowTracker:
                 experiment_id = self.client.create_experiment(cfg.logging.mlflow_experiment, location)
             else:
                 experiment_id = experiment.experiment_id
-            name = cfg.run.name or os.path.basename(os.path.abspath(cfg.run.output_dir))
-            self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name(cfg)).info.run_id
             logged = {}
         # Parameters cannot change in MLflow: a resumed run adds those it did not have (a changed --epochs is in
         # config.json and the summary's resumes).
@@ -85,64 +141,65 @@ class MlflowTracker:
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         log.info("MLflow: run %s in %s", self.run_id, self.uri)
 
-    def epoch(self, record, committed):
-        """Keep the epoch's record; send what is committed (this epoch and those kept before it)."""
-        self.pending.append(record)
-        if committed:
-            self._send_pending()
-
-    def _send_pending(self):
+    def send(self, records):
         from mlflow.entities import Metric
 
-        if not self.pending:
-            return
         stamp = int(time.time() * 1000)
-        metrics = [Metric(k, float(v), stamp, r["epoch"]) for r in self.pending for k, v in r.items()
-                   if k != "epoch" and _number(v)]
-        epochs = [r["epoch"] for r in self.pending]
-        if self._call(f"the metrics of epoch(s) {_span(epochs)}",
-                      lambda: self.client.log_batch(self.run_id, metrics=metrics)):
-            self.pending = []
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), stamp, r["epoch"]) for r in records
+                                                    for k, v in r.items() if k != "epoch" and _number(v)])
 
-    def finish(self, summary, files, status="FINISHED"):
-        """The records still kept, the summary's numbers and the files; then the run's status. Says what could not
-        be sent."""
+    def send_summary(self, values, step):
         from mlflow.entities import Metric
 
-        if self.run_id is None:
-            log.warning("MLflow (%s): nothing was logged: the run could not be started", self.uri)
-            return
-        self.down, self.failed = False, []  # a server that was down may be back: everything is tried once more
-        if status == "FINISHED":  # (a run that stopped early keeps its uncommitted epochs out: they are redone)
-            self._send_pending()
-        if summary:
-            stamp, step = int(time.time() * 1000), summary.get("epochs") or 0
-            per_epoch = set(summary["history"][-1]) if summary.get("history") else set()  # (the lr is in both)
-            final = [Metric(k, float(v), stamp, step) for k, v in summary.items() if _number(v) and k not in per_epoch]
-            self._call("the summary's metrics", lambda: self.client.log_batch(self.run_id, metrics=final))
-        for path in files:
-            if path and os.path.exists(path):
-                self._call(os.path.basename(path), lambda p=path: self.client.log_artifact(self.run_id, p))
-        self._call("the run's end", lambda: self.client.set_terminated(self.run_id, status))
-        if self.failed:
-            log.warning("MLflow (%s): not logged: %s", self.uri, "; ".join(self.failed))
+        stamp = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), stamp, step) for k, v in values.items()])
 
-    def _call(self, what, fn):
-        """fn(), unless the server was found down; a failure is said once (the first) and never stops training.
-        Returns whether fn() succeeded."""
-        if not self.down:
-            try:
-                fn()
-                return True
-            except Exception as e:  # the server down, refusing a write, a store that cannot be opened: all alike
-                self.down = True
-                if not self.warned:
-                    self.warned = True
-                    first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-                    log.warning("MLflow (%s): could not log %s (%s: %s); training goes on, and what is not "
-                                "logged is said at the end", self.uri, what, type(e).__name__, first[:300])
-        self.failed.append(what)
-        return False
+    def send_file(self, path):
+        self.client.log_artifact(self.run_id, path)
+
+    def end(self, status):
+        self.client.set_terminated(self.run_id, status)
+
+
+class WandbTracker(Tracker):
+    """Weights & Biases in offline mode: a run directory under <output dir>/wandb that `wandb sync` uploads later;
+    nothing is sent over the network while training."""
+    name = "wandb"
+
+    def __init__(self, cfg, rt, run_id=None):
+        super().__init__(run_id)
+        self.where = f"W&B ({os.path.join(cfg.run.output_dir, 'wandb')})"
+        self._call("the run's start", lambda: self.start(cfg, rt))
+
+    def start(self, cfg, rt):
+        import wandb
+
+        run_id = self.run_id or secrets.token_hex(4)  # W&B's ids: short, lowercase
+        self.run = wandb.init(mode="offline", dir=cfg.run.output_dir, project=cfg.logging.wandb_project,
+                              name=run_name(cfg), id=run_id, resume="allow",
+                              config={**flatten(cfg.to_dict()), **run_facts(rt)},
+                              settings=wandb.Settings(silent=True, x_disable_stats=True))
+        self.run_id = run_id
+        log.info("W&B: offline run %s in %s (upload it with: wandb sync %s)", run_id, self.run.dir,
+                 os.path.dirname(self.run.dir))
+
+    def send(self, records):
+        for r in records:
+            self.run.log({k: v for k, v in r.items() if k != "epoch" and _number(v)}, step=r["epoch"])
+
+    def send_summary(self, values, step):
+        self.run.summary.update(values)
+
+    def send_file(self, path):
+        # A copy in the run's files/ (which `wandb sync` uploads): the output directory's files change on a resume.
+        shutil.copy2(path, self.run.dir)
+
+    def end(self, status):
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
+def run_name(cfg):
+    return cfg.run.name or os.path.basename(os.path.abspath(cfg.run.output_dir))
 
 
 def _number(value):
@@ -162,10 +219,12 @@ def _version(package):
 
 def open_trackers(cfg, rt, tracking):
     """The trackers this run logs to, on rank 0 (none elsewhere). `tracking`: the run ids a resumed checkpoint
-    holds, by tracker; updated with this run's ids."""
-    if not rt.is_main or not (cfg.logging.mlflow or cfg.logging.mlflow_uri):
+    holds, by tracker; updated with this run's ids, which the next checkpoints keep."""
+    if not rt.is_main:
         return []
-    tracker = MlflowTracker(cfg, rt, tracking.get("mlflow"))
-    if tracker.run_id:
-        tracking["mlflow"] = tracker.run_id
-    return [tracker]
+    wanted = [(cfg.logging.mlflow or bool(cfg.logging.mlflow_uri), MlflowTracker), (cfg.logging.wandb, WandbTracker)]
+    trackers = [kind(cfg, rt, tracking.get(kind.name)) for on, kind in wanted if on]
+    for tracker in trackers:
+        if tracker.run_id:
+            tracking[tracker.name] = tracker.run_id
+    return trackers

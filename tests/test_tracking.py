@@ -1,6 +1,7 @@
 """--mlflow and --mlflow-uri against a real `mlflow server` (SQLite backend, on loopback): a 2-rank run that crashes
 and is resumed is one MLflow run with one value per epoch, equal to metrics.jsonl and summary.json; a server killed
-mid-run leaves training finishing with its warning; without a URI the run goes to a store in the output directory."""
+mid-run leaves training finishing with its warning; without a URI the run goes to a store in the output directory.
+--wandb: W&B's offline run directories, read back from W&B's own record files, with the same rules."""
 import os
 import signal
 import subprocess
@@ -118,6 +119,62 @@ def test_mlflow_without_a_uri_logs_to_the_output_directory(tmp_path, app):
     assert (tmp_path / "mlflow-artifacts").is_dir()
 
 
-def test_mlflow_is_refused_with_elastic(tmp_path, app):
-    result = app("--output-dir", tmp_path, "--elastic", "--mlflow")
-    assert result.returncode == 2 and "--mlflow with --elastic" in result.stderr
+@pytest.mark.parametrize("flag", ["--mlflow", "--wandb"])
+def test_tracking_is_refused_with_elastic(tmp_path, app, flag):
+    result = app("--output-dir", tmp_path, "--elastic", flag)
+    assert result.returncode == 2 and f"{flag} with --elastic" in result.stderr
+
+
+def wandb_records(run_dir):
+    """(run id, {step: history row}, summary updates) of an offline W&B run directory, read from its .wandb file:
+    W&B's protobuf records in LevelDB's log framing (7-byte file header, 32 KiB blocks, each record chunk with a
+    7-byte header: CRC, length, type; types 1 and 4 end a record)."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    raw = next(run_dir.glob("run-*.wandb")).read_bytes()
+    pos, chunk, run_id, rows, summary = 7, b"", None, {}, {}
+    while pos + 7 <= len(raw):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (length == 0 and kind == 0):
+            pos += left
+            continue
+        chunk, pos = chunk + raw[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind not in (1, 4):
+            continue
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(chunk)
+        chunk, which = b"", record.WhichOneof("record_type")
+        if which == "run":
+            run_id = record.run.run_id
+        elif which == "history":
+            rows[record.history.step.num] = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                             for i in record.history.item}
+        elif which == "summary":
+            summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.summary.update})
+    return run_id, rows, summary
+
+
+def test_wandb_offline_crash_and_resume_is_one_run_with_one_row_per_epoch(tmp_path):
+    """--wandb writes offline run directories (no network); the crashed part and the resumed part are the same
+    run id, and their rows together hold each epoch once, equal to metrics.jsonl."""
+    steps = 45  # the digits on one rank, 32 a batch
+    flags = ("--output-dir", tmp_path, "--wandb", *EPOCHS)
+    crashed = launch("single", 1, WORKERS / "faulty_train.py", "0", 3 * steps + 2, "raise", "--", *QUIET, *flags,
+                     check=False, env={"HVD_TEST_FAULT_TIME": str(tmp_path / "fault")}, offline=True)
+    assert crashed.returncode != 0 and [r["epoch"] for r in jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    run_app("single", 1, *flags, "--resume", "auto", offline=True)
+    parts = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(parts) == 2, parts
+    (first_id, first, _), (second_id, second, summary) = map(wandb_records, parts)
+    assert first_id == second_id and sorted(first) == [1, 2] and sorted(second) == [3, 4]
+    records = jsonl(tmp_path / "metrics.jsonl")
+    rows = {**first, **second}
+    for r in records:
+        assert rows[r["epoch"]]["val_acc1"] == pytest.approx(r["val_acc1"])
+        assert rows[r["epoch"]]["train_loss"] == pytest.approx(r["train_loss"])
+    assert summary["best_val_acc1"] == pytest.approx(read_json(tmp_path / "summary.json")["best_val_acc1"])
+    assert (parts[1] / "files" / "summary.json").is_file()
