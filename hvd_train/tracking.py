@@ -26,6 +26,7 @@ log = logging.getLogger("hvd_train")
 MLFLOW_CLIENT_SETTINGS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                           "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 PARAMS_PER_CALL = 100  # MLflow's limit per log_batch
+FINAL = ("best_", "final_", "train_samples_per_sec", "process_wall_seconds")  # the summary's numbers logged at the end
 
 
 def local_uri(output_dir):
@@ -73,8 +74,8 @@ class Tracker:
         if status == "FINISHED":  # (a run that stopped early keeps its uncommitted epochs out: they are redone)
             self._send_pending()
         if summary:
-            per_epoch = set(summary["history"][-1]) if summary.get("history") else set()  # (the lr is in both)
-            final = {k: v for k, v in summary.items() if _number(v) and k not in per_epoch}
+            # The run's results; its settings (batch sizes, learning rates, ranks) are parameters and tags already.
+            final = {k: v for k, v in summary.items() if _number(v) and k.startswith(FINAL)}
             self._call("the summary's metrics", lambda: self.send_summary(final, summary.get("epochs") or 0))
         for path in files:
             if path and os.path.exists(path):
