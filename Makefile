@@ -4,6 +4,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 NP ?= 2
 DEMO_DIR ?= runs/demo
+DEMO_ARGS ?=
 # The setup stamp is rebuilt when anything the installer reads changes.
 READY := $(VENV)/.hvd-train-ready
 # The programs the test suite starts besides the app (SLURM, munge): installed once, for make test only.
@@ -27,7 +28,7 @@ $(READY): requirements.txt scripts/install.sh scripts/build_horovod.py setup.cfg
 	@touch $@
 
 demo: setup
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/horovodrun -np $(NP) -H localhost:$(NP) python train_hvd.py --output-dir $(DEMO_DIR) --overwrite
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/horovodrun -np $(NP) -H localhost:$(NP) python train_hvd.py --output-dir $(DEMO_DIR) --overwrite $(DEMO_ARGS)
 	@$(PY) scripts/show_summary.py $(DEMO_DIR)/summary.json
 
 $(TEST_TOOLS): $(READY)
