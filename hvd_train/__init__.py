@@ -13,6 +13,8 @@ plugins     how a model, data set or task is named (one that ships, or package.m
 tasks       the task interface, and classification and the VAE written against it
 weights     --init-from and --freeze
 api         hvd_train.run(): the app around the objects of a user's own script
+model_card  what rebuilds and feeds a trained model; inference, export, predict: using it after training
+tracking    MLflow and W&B (offline) on rank 0
 Horovod itself is used only through hvd_utils.
 """
 
