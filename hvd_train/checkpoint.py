@@ -113,3 +113,27 @@ def load(path):
     if not isinstance(ckpt, dict) or ckpt.get("version") != VERSION:
         raise CheckpointError(f"{path}: not an hvd-train checkpoint (version {VERSION} expected)")
     return ckpt
+
+
+def check_fits(ckpt, path, expect):
+    """Every setting in `expect` the checkpoint records must match (older checkpoints record fewer)."""
+    for key, value in expect.items():
+        if key in ckpt and ckpt[key] != value:
+            setting = FIT_SETTINGS.get(key, key)
+            raise CheckpointError(f"{path} was written with {key}={ckpt[key]!r}, this run has {key}={value!r}: a "
+                                  f"checkpoint fits only a run with the same {key} ({setting}); use the "
+                                  f"checkpoint's setting, or another file")
+
+
+def read_into(path, model, expect, optimizer=None):
+    """Load checkpoint `path` into the model (and the optimizer, when given) after checking it fits `expect`;
+    returns its other fields (counters, history, scaler, world size, RNG states)."""
+    ckpt = load(path)
+    check_fits(ckpt, path, expect)
+    try:
+        model.load_state_dict(ckpt["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: its weights do not fit this model ({str(e).splitlines()[0]})")
+    return {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "config")}

@@ -10,7 +10,7 @@ from typing import Optional
 
 import hvd_utils
 from hvd_train import interrupt
-from hvd_train.checkpoint import VERSION, Checkpointer
+from hvd_train.checkpoint import VERSION, Checkpointer, read_into, rng_state, set_rng_state
 from hvd_train.errors import CheckpointError
 from hvd_train.metrics import improved, reached
 from hvd_train.model_card import card_for
@@ -138,7 +138,7 @@ class AfterEpoch:
 
     def payload(self):
         t = self.trainer
-        rng = hvd_utils.gather_rng_states()
+        rng = hvd_utils.gather_objects(rng_state(), "rng_states")  # every rank's, in rank order
         return {"version": VERSION, "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
                 "scaler": t.scaler.state_dict() if t.scaler else None, "config": self.cfg.to_dict(),
                 "world_size": hvd_utils.world_size(), "rng": rng, "wall_seconds": self.state.wall_seconds(),
@@ -175,14 +175,30 @@ def resume(path, trainer, state, fits):
     """Continue from checkpoint `path`: weights, optimizer and scaler state on every rank, each rank's RNG states
     where the number of ranks is unchanged, and the run state (the learning rate follows from its epoch). A
     checkpoint that has reached --epochs is refused: there is nothing to train, and no summary may pretend so."""
-    meta = hvd_utils.load_checkpoint(path, trainer.model, fits, optimizer=trainer.optimizer)
+    meta = load_everywhere(path, trainer.model, fits, optimizer=trainer.optimizer)
     if meta["epoch"] >= trainer.epochs:
         raise CheckpointError(f"--resume {path}: nothing to train: the checkpoint is at epoch {meta['epoch']} and "
                               f"--epochs is {trainer.epochs}; pass a larger --epochs to train further, or "
                               f"--evaluate --resume {path} to measure it")
     if trainer.scaler is not None and meta.get("scaler"):
         trainer.scaler.load_state_dict(meta["scaler"])
-    hvd_utils.restore_rng(meta)
+    restore_rng(meta)
     state.load(meta)
     state.resumes.append({"epoch": state.epoch, "step": state.step, "world_size": hvd_utils.world_size(),
                           "previous_world_size": meta.get("world_size"), "checkpoint": path, "time": time.time()})
+
+
+def load_everywhere(path, model, expect, optimizer=None):
+    """Rank 0 loads checkpoint `path` (checked against `expect`: model_name, task, num_classes, dataset, ...), then
+    every rank gets its weights and optimizer state: the one loader of resuming, elastic and evaluation runs. Returns
+    the checkpoint's other fields, the same on every rank."""
+    meta = hvd_utils.decide_on_root(lambda: read_into(path, model, expect, optimizer), "checkpoint")
+    hvd_utils.broadcast_loaded(model, optimizer)
+    return meta
+
+
+def restore_rng(meta):
+    """This rank's RNG states from a checkpoint's, where it was written by as many ranks as there are now (with
+    another number of ranks, rank r's stream would not continue anyway)."""
+    if meta.get("world_size") == hvd_utils.world_size() and meta.get("rng"):
+        set_rng_state(meta["rng"][hvd_utils.rank()])

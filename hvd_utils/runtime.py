@@ -246,3 +246,8 @@ def shutdown():
 def world_size():
     """The number of ranks now (in an elastic run, of the current set of workers)."""
     return hvd.size()
+
+
+def rank():
+    """This process's rank now (in an elastic run, among the current workers)."""
+    return hvd.rank()

@@ -8,7 +8,7 @@ from hvd_train.build import build_model_for, build_task, loader_spec, prepare_da
 from hvd_train.engine import evaluate_all
 from hvd_train.errors import CheckpointError
 from hvd_train.run_dir import RunDir, write_json
-from hvd_train.run_state import checkpoint_fits
+from hvd_train.run_state import checkpoint_fits, load_everywhere
 
 log = logging.getLogger("hvd_train")
 
@@ -22,7 +22,7 @@ def run(cfg, rt):
         raise CheckpointError(f"--evaluate --resume auto: no checkpoint in {run_dir.checkpoints} to evaluate")
     task = build_task(cfg)
     model = build_model_for(cfg, info, rt.device)
-    meta = hvd_utils.load_checkpoint(path, model, checkpoint_fits(cfg, info, task, continuing=False))
+    meta = load_everywhere(path, model, checkpoint_fits(cfg, info, task, continuing=False))
     metrics = evaluate_all(model, task, val_loader, rt.device, cfg.optim.amp)
     log.info("evaluated %s (epoch %d) on %d samples: %s", path, meta["epoch"], metrics["count"],
              "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "count"))
