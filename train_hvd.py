@@ -23,7 +23,7 @@ import torch
 
 import hvd_utils
 from data import BadSampleError, DataError
-from hvd_train.build import build_data, build_trainer, check_choices, load_initial_weights
+from hvd_train.build import attach_profiler, build_data, build_trainer, check_choices, load_initial_weights
 from hvd_train.config import parse_config
 from hvd_train import doctor, interrupt, watchdog
 from hvd_train.engine import Hooks, fit
@@ -96,8 +96,9 @@ def train(cfg, rt):
             load_initial_weights(cfg, trainer.model)  # --init-from, on rank 0
             # Horovod: every rank starts from rank 0's weights and optimizer state.
             hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
-        outputs = outputs_for(cfg, info, trainer.task, rt.is_main, state)
-        outputs.reporter.track(open_trackers(cfg, rt, state.tracking))  # MLflow, on rank 0
+        outputs = outputs_for(cfg, info, trainer.task, rt.is_main, state, run_dir)
+        attach_profiler(trainer, cfg, rt, run_dir)  # --profile: recording starts in the directory this run owns
+        outputs.reporter.track(open_trackers(cfg, rt, state))  # MLflow, W&B: on rank 0
         interrupt.describe_with(lambda: state.where(cfg.optim.epochs, run_dir.checkpoint("last.pt")))
         log_setup(cfg, rt, info, trainer, state.epoch)
         if resume_from:

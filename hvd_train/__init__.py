@@ -8,7 +8,7 @@ run_state   what a run has done so far (epochs, steps, history, best metric) and
 run_dir     every file a run writes, claiming the directory, and the one atomic writer
 checkpoint  one save and one load
 reporting   metrics.jsonl, TensorBoard, the curves, the setup lines and summary.json
-modes/      elastic, evaluate, benchmark (the fixed-size training run is in train_hvd.py)
+modes/      elastic, evaluate, benchmark (the fixed-size training run, the recipe, is in train_hvd.py)
 plugins     how a model, data set or task is named (one that ships, or package.module:name) and built
 tasks       the task interface, and classification and the VAE written against it
 weights     --init-from and --freeze

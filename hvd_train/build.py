@@ -18,7 +18,6 @@ from hvd_train.engine import StepOptions, Trainer
 from hvd_train.errors import ConfigError
 from hvd_train.plugins import call, import_attribute, is_import_path, resolve
 from hvd_train.profiling import StepProfiler
-from hvd_train.run_dir import RunDir
 from hvd_train.schedule import LRSchedule
 from hvd_train.weights import freeze, load_matching
 import models
@@ -182,8 +181,14 @@ def build_trainer(cfg, info, rt):
     return Trainer(model=model, task=build_task(cfg), optimizer=optimizer,
                    schedule=LRSchedule(cfg.optim, lr_scale(cfg, rt.size)), device=rt.device,
                    opts=StepOptions.from_config(cfg, rt.is_main), epochs=cfg.optim.epochs,
-                   scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None,
-                   profiler=StepProfiler(cfg, rt, RunDir(cfg.run.output_dir).profile) if cfg.profile.enabled else None)
+                   scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None)
+
+
+def attach_profiler(trainer, cfg, rt, run_dir):
+    """--profile: record the trainer's steps into run_dir/profile. Called once the run has claimed run_dir (a claim
+    with --overwrite clears what an earlier run wrote there)."""
+    if cfg.profile.enabled and trainer.profiler is None:
+        trainer.profiler = StepProfiler(cfg, rt, run_dir.profile)
 
 
 def load_initial_weights(cfg, model):

@@ -66,7 +66,7 @@ class Hooks:
 
     def epoch_start(self, epoch):
         if self.state is not None:
-            self.state.in_epoch, self.state.epoch_first_step = epoch, self.state.step
+            self.state.begin_epoch(epoch)
         if self.sampler is not None:
             # Horovod: a new shuffle every epoch, the same on every rank, so the shards stay disjoint.
             self.sampler.set_epoch(epoch)
@@ -78,7 +78,7 @@ class Hooks:
     def after_step(self, epoch):
         """After every optimizer step: count it in the run state (checkpoints record it)."""
         if self.state is not None:
-            self.state.step += 1
+            self.state.count_step()
 
     def epoch_end(self, epoch, record):
         """After every epoch, on every rank; true ends training there."""
@@ -188,9 +188,7 @@ def train_one_epoch(trainer, loader, epoch, hooks):
         hooks.after_step(epoch)
         if step == 1 and epoch == 1 and hooks.state is not None:
             # Every rank reduces here (an elastic worker that joined in epoch 1 too); a value is kept only once.
-            loss = first_loss(total)
-            if hooks.state.first_loss is None:
-                hooks.state.first_loss = loss
+            hooks.state.keep_first_loss(first_loss(total))
         if t.profiler is not None:
             t.profiler.step()
         figures = {}

@@ -12,7 +12,7 @@ import time
 import psutil
 
 import hvd_utils
-from hvd_train.run_dir import RunDir, atomic_write, reported_write, write_json
+from hvd_train.run_dir import atomic_write, reported_write, write_json
 
 log = logging.getLogger("hvd_train")
 
@@ -22,8 +22,8 @@ class Reporter:
     exactly those (records of epochs after the checkpoint were lost with the run that wrote them, and are trained
     again), and TensorBoard hides its points after that epoch (purge_step), so each epoch has one record."""
 
-    def __init__(self, output_dir, enabled, tensorboard=True, resumed_history=None):
-        self.dir, self.enabled, self.tensorboard, self.writer = RunDir(output_dir), False, tensorboard, None
+    def __init__(self, run_dir, enabled, tensorboard=True, resumed_history=None):
+        self.dir, self.enabled, self.tensorboard, self.writer = run_dir, False, tensorboard, None
         self.jsonl = self.dir.metrics
         self.purge_step, self.trackers = None, []
         if enabled and resumed_history:
@@ -117,7 +117,7 @@ def seconds_since_start():
     return time.time() - psutil.Process().create_time()
 
 
-def build_summary(cfg, rt, task, state, lr, fingerprints):
+def build_summary(cfg, rt, task, state, lr, fingerprints, run_dir):
     """The run's headline figures and its full history, for summary.json."""
     history, last = state.history, state.history[-1]
     summary = {
@@ -130,7 +130,7 @@ def build_summary(cfg, rt, task, state, lr, fingerprints):
         "global_batch_size": cfg.optim.batch_size * rt.size * cfg.horovod.batches_per_allreduce,
         "base_lr": cfg.optim.lr, "lr": lr, "lr_schedule": cfg.optim.lr_schedule,
         "best_metric": task.best_metric, "best_value": state.best_metric, "best_epoch": state.best_epoch,
-        "best_checkpoint": RunDir(cfg.run.output_dir).checkpoint("best.pt"),
+        "best_checkpoint": run_dir.checkpoint("best.pt"),
         "final_val_loss": last["val_loss"],
         "final_val": {k[4:]: v for k, v in last.items() if k.startswith("val_") and k != "val_count"},
         "train_samples_per_sec": sum(r["train_count"] for r in history) / sum(r["epoch_seconds"] for r in history),
@@ -212,8 +212,8 @@ def finish(cfg, rt, trainer, state, reporter):
     fingerprints = hvd_utils.fingerprints_by_rank(trainer.model)
     task, lr = trainer.task, cfg.optim.lr * trainer.schedule.lr_scale
     if rt.is_main:
-        summary = build_summary(cfg, rt, task, state, lr, fingerprints)
-        run_dir = RunDir(cfg.run.output_dir)
+        run_dir = reporter.dir
+        summary = build_summary(cfg, rt, task, state, lr, fingerprints, run_dir)
         path = run_dir.summary
         with reported_write(run_dir.curves):
             summary["curves_png"] = reporter.plot(state.history) if cfg.logging.plot else None

@@ -67,6 +67,45 @@ class RunState:
             return f"{position}; no checkpoint was written yet, so --resume auto starts afresh"
         return f"{position}; --resume auto continues from {last_checkpoint} (the end of epoch {self.saved_epoch})"
 
+    # Every change to the run state is one of these methods (or load and add): the loop, the modes and AfterEpoch
+    # say what happened, and RunState alone writes its fields.
+    def begin_epoch(self, epoch):
+        self.in_epoch, self.epoch_first_step = epoch, self.step
+
+    def count_step(self):
+        self.step += 1
+
+    def set_steps(self, steps):
+        """An elastic run's own count of optimizer steps, which survives its resets."""
+        self.step = steps
+
+    def keep_first_loss(self, loss):
+        """The run's first step's loss (every rank's), kept once: the value divergence is measured against."""
+        if self.first_loss is None:
+            self.first_loss = loss
+
+    def stop(self, epoch):
+        self.stopped_at = epoch
+
+    def closed(self, epoch, saved):
+        """Epoch `epoch`'s record is written, and its checkpoint where `saved`."""
+        self.closed_epoch = epoch
+        if saved:
+            self.saved_epoch = epoch
+
+    def set_elastic(self, figures):
+        self.elastic = figures
+
+    def resumed(self, checkpoint, world_size, previous_world_size):
+        """A resume point, for the summary: where the run continued from a checkpoint, on how many ranks."""
+        self.resumes.append({"epoch": self.epoch, "step": self.step, "world_size": world_size,
+                             "previous_world_size": previous_world_size, "checkpoint": checkpoint,
+                             "time": time.time()})
+
+    def tracked_as(self, ids):
+        """The experiment trackers' run ids (hvd_train/tracking.py), which the checkpoints keep."""
+        self.tracking.update(ids)
+
     def checkpoint_fields(self):
         return {name: getattr(self, name) for name in self.CHECKPOINTED}
 
@@ -125,7 +164,7 @@ class AfterEpoch:
         better = self.state.add(task, record)
         stop = reached(task, record[task.best_metric], cfg.run.stop_at)
         if stop:
-            self.state.stopped_at = epoch
+            self.state.stop(epoch)
             log.info("--stop-at %g: %s reached %.4g at epoch %d; stopping", cfg.run.stop_at, task.best_metric,
                      record[task.best_metric], epoch)
         due = epoch % cfg.checkpoint.every_epochs == 0 or epoch == cfg.optim.epochs or stop
@@ -133,7 +172,7 @@ class AfterEpoch:
         # Rank 0 writes the checkpoint, then the epoch's record: a record never describes an epoch whose
         # checkpoint failed. Every rank learns how the writing went, so a full disk stops them all together.
         hvd_utils.decide_on_root(lambda: self.write(epoch, record, payload, better), "epoch_outputs")
-        self.state.closed_epoch = epoch
+        self.state.closed(epoch, saved=payload is not None)
         return stop
 
     def payload(self):
@@ -147,16 +186,16 @@ class AfterEpoch:
     def write(self, epoch, record, payload, is_best):
         if payload is not None:
             self.out.checkpointer.save(payload, epoch, is_best=is_best)
-            self.state.saved_epoch = epoch
         self.out.reporter.epoch(record, committed=payload is not None)
 
 
-def outputs_for(cfg, info, task, is_main, state=None):
-    """Outputs of a run of `task` on data `info`: rank 0 writes, the others' writers are off. `state`: the run
-    state of a resumed run, whose records the reporter keeps (and those after its checkpoint it drops)."""
-    run_dir = RunDir(cfg.run.output_dir)
+def outputs_for(cfg, info, task, is_main, state=None, run_dir=None):
+    """Outputs of a run of `task` on data `info` into run_dir (the output directory's): rank 0 writes, the others'
+    writers are off. `state`: the run state of a resumed run, whose records the reporter keeps (and those after its
+    checkpoint it drops)."""
+    run_dir = run_dir or RunDir(cfg.run.output_dir)
     return Outputs(run_dir, Checkpointer(run_dir.checkpoints, cfg.checkpoint.keep_last, enabled=is_main),
-                   Reporter(run_dir.root, is_main, cfg.logging.tensorboard,
+                   Reporter(run_dir, is_main, cfg.logging.tensorboard,
                             resumed_history=state.history if state is not None and state.saved_epoch else None),
                    checkpoint_fits(cfg, info, task), card_for(cfg, info, task).to_dict())
 
@@ -184,8 +223,7 @@ def resume(path, trainer, state, fits):
         trainer.scaler.load_state_dict(meta["scaler"])
     restore_rng(meta)
     state.load(meta)
-    state.resumes.append({"epoch": state.epoch, "step": state.step, "world_size": hvd_utils.world_size(),
-                          "previous_world_size": meta.get("world_size"), "checkpoint": path, "time": time.time()})
+    state.resumed(path, hvd_utils.world_size(), meta.get("world_size"))
 
 
 def load_everywhere(path, model, expect, optimizer=None):

@@ -218,14 +218,12 @@ def _version(package):
         return "unknown"
 
 
-def open_trackers(cfg, rt, tracking):
-    """The trackers this run logs to, on rank 0 (none elsewhere). `tracking`: the run ids a resumed checkpoint
-    holds, by tracker; updated with this run's ids, which the next checkpoints keep."""
+def open_trackers(cfg, rt, state):
+    """The trackers this run logs to, on rank 0 (none elsewhere). They continue the runs whose ids the resumed
+    checkpoint holds (state.tracking), and the state keeps their ids for the next checkpoints."""
     if not rt.is_main:
         return []
     wanted = [(cfg.logging.mlflow or bool(cfg.logging.mlflow_uri), MlflowTracker), (cfg.logging.wandb, WandbTracker)]
-    trackers = [kind(cfg, rt, tracking.get(kind.name)) for on, kind in wanted if on]
-    for tracker in trackers:
-        if tracker.run_id:
-            tracking[tracker.name] = tracker.run_id
+    trackers = [kind(cfg, rt, state.tracking.get(kind.name)) for on, kind in wanted if on]
+    state.tracked_as({t.name: t.run_id for t in trackers if t.run_id})
     return trackers

@@ -262,7 +262,7 @@ def test_a_killed_writer_leaves_only_temporary_files_that_the_next_run_removes(t
 
 
 def test_reporter_writes_json_lines_tensorboard_events_and_a_png(tmp_path):
-    reporter = Reporter(str(tmp_path), enabled=True)
+    reporter = Reporter(RunDir(str(tmp_path)), enabled=True)
     history = [{"epoch": e, "lr": 0.1, "train_loss": 1.0 / e, "val_loss": 1.5 / e, "val_acc1": 50.0 + e}
                for e in (1, 2, 3)]
     for record in history:
@@ -280,7 +280,7 @@ def test_reporter_writes_json_lines_tensorboard_events_and_a_png(tmp_path):
 
 
 def test_reporter_on_other_ranks_writes_nothing(tmp_path):
-    reporter = Reporter(str(tmp_path / "r"), enabled=False)
+    reporter = Reporter(RunDir(str(tmp_path / "r")), enabled=False)
     reporter.epoch({"epoch": 1})
     assert reporter.plot([{"epoch": 1}]) is None
     assert not (tmp_path / "r").exists()

@@ -15,7 +15,7 @@ import torch
 
 import hvd_utils
 from data import DATASETS, DataInfo
-from hvd_train.build import build_trainer
+from hvd_train.build import attach_profiler, build_trainer
 from hvd_train.engine import Hooks, train_one_epoch
 from hvd_train.errors import NonFiniteLossError
 from hvd_train.reporting import seconds_since_start
@@ -87,6 +87,7 @@ def run(cfg, rt):
     run_dir = RunDir(cfg.run.output_dir)
     hvd_utils.decide_on_root(lambda: run_dir.claim_for_benchmark(cfg.run.overwrite), "output_dir")
     trainer = build_trainer(cfg, info, rt)
+    attach_profiler(trainer, cfg, rt, run_dir)
     trainer.opts.show_progress = False  # steps are timed: no bar
     hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
     b = cfg.benchmark

@@ -10,7 +10,8 @@ import logging
 
 import hvd_utils
 from data import build_loaders, check_world, is_streamed
-from hvd_train.build import build_trainer, check_shards, load_initial_weights, loader_spec, lr_scale, prepare_data
+from hvd_train.build import (attach_profiler, build_trainer, check_shards, load_initial_weights, loader_spec, lr_scale,
+                             prepare_data)
 from hvd_train.engine import Hooks, fit
 from hvd_train.errors import ConfigError
 from hvd_train.reporting import finish, log_setup
@@ -50,7 +51,7 @@ class ElasticHooks(Hooks):
 
     def epoch_end(self, epoch, record):
         st = self.st
-        self.state.step = st.steps
+        self.state.set_steps(st.steps)
         stop = super().epoch_end(epoch, record)
         self.sampler.set_epoch(epoch + 1)
         st.batch, st.epoch = 0, (self.epochs + 1 if stop else epoch + 1)
@@ -88,7 +89,7 @@ class StreamedElasticHooks(ElasticHooks):
 
     def epoch_end(self, epoch, record):
         st = self.st
-        self.state.step = st.steps
+        self.state.set_steps(st.steps)
         stop = Hooks.epoch_end(self, epoch, record)
         st.batch, st.epoch = 0, (self.epochs + 1 if stop else epoch + 1)
         st.run = dict(self.state.checkpoint_fields(), history=list(self.state.history))
@@ -165,6 +166,7 @@ def run(cfg, rt):
                 write_json(outputs.run_dir.config, cfg.to_dict())
             log_setup(cfg, rt, info, trainer, st.epoch - 1)
             st.commit()
+        attach_profiler(trainer, cfg, rt, outputs.run_dir)  # once the directory is claimed (by this or another)
         # Validation shards follow the current set of workers (and tar shards' training plan too).
         rank, size, _ = elastic.world()
         loaders = build_loaders(train_set, val_set, spec, rank, size)
@@ -181,7 +183,7 @@ def run(cfg, rt):
         outputs.reporter.close()
         outputs.run_dir.lock.release()  # held by the process that claimed the directory, while it lives
     rank, size, local_size = elastic.world()
-    state.elastic = {"resets": st.resets, "steps_redone": st.redone, "commit_every": cfg.horovod.commit_every,
-                     "steps": st.steps}
+    state.set_elastic({"resets": st.resets, "steps_redone": st.redone, "commit_every": cfg.horovod.commit_every,
+                       "steps": st.steps})
     return finish(cfg, dataclasses.replace(rt, rank=rank, size=size, local_size=local_size), trainer, state,
                   outputs.reporter)
