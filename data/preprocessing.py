@@ -91,3 +91,21 @@ def class_names(dataset_name, val_set, user_facts=None):
         return [str(c) for c in named]
     source = (getattr(base, "facts", None) or {}).get("source", dataset_name)
     return list(CLASS_NAMES[source]) if source in CLASS_NAMES else None
+
+
+def of_builtin(dataset_name, image_size):
+    """The preprocessing of a data set that ships, from its name alone (checkpoints written before they recorded
+    it); None for those whose preprocessing depends on their files (tar shards) or that are not images."""
+    from data import cifar, stl10
+
+    size = image_size
+    grey = Preprocessing(1, size, (0.0,), (1.0,), "stretch")
+    known = {"digits": grey, "mnist": grey, "fashion_mnist": grey,
+             "cifar10": Preprocessing(3, size, cifar.CIFAR10.mean, cifar.CIFAR10.std, "stretch"),
+             "cifar100": Preprocessing(3, size, cifar.CIFAR100.mean, cifar.CIFAR100.std, "stretch"),
+             "stl10": Preprocessing(3, size, stl10.MEAN, stl10.STD, "stretch")}
+    if dataset_name == "imagefolder":
+        from data.imagefolder import MEAN, STD
+
+        return Preprocessing(3, size, MEAN, STD, "center_crop")
+    return known.get(dataset_name)

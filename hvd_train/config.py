@@ -460,7 +460,9 @@ def build_parser():
     parser = _Parser(
         prog="train_hvd.py",
         description="Data-parallel training with Horovod. Launch with horovodrun or mpirun; runs alone too. "
-                    "Settings: defaults < --config YAML < these flags.")
+                    "Settings: defaults < --config YAML < these flags.",
+        epilog="More commands of the installed hvd-train: doctor (check a job's hosts), shard (write tar shards), "
+               "export (safetensors, TorchScript, ONNX), predict (classes of image files); hvd-train COMMAND --help.")
     parser.add_argument("--config", metavar="YAML", help="recipe with one mapping per section (see configs/)")
     alias_of = {dest: flag for flag, dest in ALIASES.items()}
     groups = {}

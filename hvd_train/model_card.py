@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import models
-from data.preprocessing import Preprocessing
+from data.preprocessing import CLASS_NAMES, Preprocessing, of_builtin
 from hvd_train.errors import CheckpointError
 from hvd_train.plugins import call, resolve
 
@@ -67,5 +67,9 @@ def card_of_checkpoint(ckpt, where):
         return ModelCard.from_dict(ckpt["model_card"], where)
     config = ckpt.get("config") or {}
     facts = {k: ckpt[k] for k in ("in_channels", "num_classes", "image_size") if ckpt.get(k) is not None}
+    dataset = config.get("data", {}).get("dataset", "")
+    preprocessing = of_builtin(dataset, facts.get("image_size", 0)) if facts.get("image_size") else None
     return ModelCard(ckpt.get("model_name") or config.get("model", {}).get("name", "?"),
-                     config.get("model", {}).get("args", {}), facts, ckpt.get("task", "classification"))
+                     config.get("model", {}).get("args", {}), facts, ckpt.get("task", "classification"),
+                     list(CLASS_NAMES[dataset]) if dataset in CLASS_NAMES else None,
+                     preprocessing.to_dict() if preprocessing else None)

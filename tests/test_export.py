@@ -214,3 +214,18 @@ def test_the_readme_loads_a_checkpoint_for_inference(runs):
                           cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^CLASS (cat|dog|owl)$", proc.stdout, re.MULTILINE), proc.stdout
+
+
+def test_a_checkpoint_from_before_model_cards_is_still_understood(runs, tmp_path):
+    """A checkpoint written before checkpoints carried their model card: the model and its preprocessing follow from
+    its config (the data set that ships), so predict gives the same probabilities (classes shown as numbers)."""
+    ckpt = torch.load(runs / "small_cnn" / "checkpoints" / "best.pt", weights_only=True)
+    del ckpt["model_card"]
+    (tmp_path / "checkpoints").mkdir()
+    torch.save(ckpt, tmp_path / "checkpoints" / "best.pt")
+    image = runs / "photos" / "owl" / "1.png"
+    new, old = (json.loads(hvd_train("predict", where, image, "--json").stdout)[0]["top"]
+                for where in (runs / "small_cnn", tmp_path))
+    assert [t["index"] for t in new] == [t["index"] for t in old]
+    assert [t["probability"] for t in new] == pytest.approx([t["probability"] for t in old])
+    assert [t["class"] for t in old] == [str(t["index"]) for t in old]
