@@ -81,7 +81,8 @@ def validation_batch(ckpt, card, count, data_dir):
         raise CheckpointError(f"the parity check needs 2 validation samples or more; {cfg.data.dataset} has "
                               f"{len(val_set)}")
     images = torch.stack([val_set[i][0] for i in range(count)])
-    return Batch(images, f"{count} validation samples of {cfg.data.dataset} ({cfg.data.data_dir})")
+    where = "" if cfg.data.dataset in ("digits", "synthetic") else f" ({cfg.data.data_dir})"  # (no files)
+    return Batch(images, f"{count} validation samples of {cfg.data.dataset}{where}")
 
 
 @contextlib.contextmanager
