@@ -152,6 +152,22 @@ def write_onnx(model, batch, path):
             torch.onnx.export(program, (batch,), path, dynamo=True, input_names=["images"], external_data=False)
     except Exception as e:
         raise _onnx_failure(model, program, e) from None
+    name_batch_axis(path)
+
+
+def name_batch_axis(path):
+    """torch.export names the free batch axis with a symbol (s77); tools show names, so it is called "batch"."""
+    import onnx
+
+    graph = onnx.load(path)
+    symbol = graph.graph.input[0].type.tensor_type.shape.dim[0].dim_param
+    if not symbol:
+        return
+    for value in [*graph.graph.input, *graph.graph.output, *graph.graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param == symbol:
+                dim.dim_param = "batch"
+    onnx.save(graph, path)
 
 
 def _onnx_failure(model, program, e):

@@ -142,6 +142,7 @@ def test_every_format_matches_the_pytorch_model(runs, run):
             assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
         else:
             session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+            assert session.get_inputs()[0].shape == ["batch", channels, size, size]
             got = torch.from_numpy(session.run(None, {"images": images.numpy()})[0])
             assert torch.allclose(got, expected, atol=1e-4, rtol=1e-3)
 
