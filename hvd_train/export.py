@@ -23,7 +23,7 @@ import torch
 from data import DataError
 from hvd_train.config import config_from_dict
 from hvd_train.errors import CheckpointError, ConfigError, say
-from hvd_train.inference import SIDECAR, find_checkpoint, load_trained, load_runner, outputs
+from hvd_train.inference import SIDECAR, export_runner, find_checkpoint, load_trained, outputs
 from hvd_train.run_dir import write_json
 
 # Suffix of each format's file, and its tolerance (absolute, relative): safetensors holds the weights themselves, so
@@ -198,9 +198,7 @@ def write_safetensors(model, path):
 
 def parity(fmt, path, card, model, batch):
     """(max |exported - pytorch| over every output, whether within tolerance, top-1 agreement or None)."""
-    meta = {"format": fmt, **card.to_dict()}
-    write_json(path + SIDECAR, meta)  # the loader reads the card from it
-    run, _ = load_runner(path)
+    run = export_runner(path, fmt, card)
     with torch.no_grad():
         expected = outputs(model(batch.images))
     got = run(batch.images)
@@ -246,9 +244,8 @@ def export(args):
         os.replace(tmp, out)
         write_json(out + SIDECAR, meta)
     finally:
-        for leftover in (tmp, tmp + SIDECAR):
-            if os.path.exists(leftover):
-                os.remove(leftover)
+        if os.path.exists(tmp):
+            os.remove(tmp)
     print(f"wrote {out} ({args.format}) from {path} (epoch {ckpt.get('epoch')}) and {out + SIDECAR}")
     print(check)
     return 0

@@ -64,23 +64,28 @@ def load_runner(path):
     if os.path.isfile(path) and os.path.isfile(path + SIDECAR):
         meta = read_sidecar(path)
         card = ModelCard.from_dict(meta, path + SIDECAR)
-        fmt = meta.get("format")
-        if fmt == "safetensors":
-            from safetensors.torch import load_file
-
-            model = card.build()
-            model.load_state_dict(load_file(path))
-            return _eager(model), card
-        if fmt == "torchscript":
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # TorchScript's deprecation, not the user's concern
-                model = torch.jit.load(path, map_location="cpu").eval()
-            return _eager(model), card
-        if fmt == "onnx":
-            return onnx_runner(path), card
-        raise CheckpointError(f"{path + SIDECAR}: unknown export format {fmt!r}")
+        return export_runner(path, meta.get("format"), card), card
     model, card, _ = load_trained(path)
     return _eager(model), card
+
+
+def export_runner(path, fmt, card):
+    """A function batch -> list of output tensors for the export at `path` in format `fmt` of the model `card`
+    describes."""
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        model = card.build()
+        model.load_state_dict(load_file(path))
+        return _eager(model)
+    if fmt == "torchscript":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # TorchScript's deprecation, not the user's concern
+            model = torch.jit.load(path, map_location="cpu").eval()
+        return _eager(model)
+    if fmt == "onnx":
+        return onnx_runner(path)
+    raise CheckpointError(f"{path + SIDECAR}: unknown export format {fmt!r}")
 
 
 def _eager(model):
