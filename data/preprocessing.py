@@ -69,11 +69,11 @@ def describe(val_set, image_size) -> Optional[Preprocessing]:
     are not images that a file could stand for: synthetic noise)."""
     base = val_set.dataset if isinstance(val_set, Subset) else val_set
     facts = getattr(base, "facts", None)  # tar shards carry their index's facts
-    if isinstance(base, ImageTensorDataset) or (isinstance(facts, dict) and facts.get("transform") == "arrays"):
-        channels = base.images.shape[1] if isinstance(base, ImageTensorDataset) else facts["in_channels"]
-        mean = base.mean.flatten().tolist() if isinstance(base, ImageTensorDataset) else facts["mean"]
-        std = base.std.flatten().tolist() if isinstance(base, ImageTensorDataset) else facts["std"]
-        return Preprocessing(channels, image_size, tuple(mean), tuple(std), "stretch")
+    if isinstance(base, ImageTensorDataset):
+        return Preprocessing(base.images.shape[1], image_size, tuple(base.mean.flatten().tolist()),
+                             tuple(base.std.flatten().tolist()), "stretch")
+    if isinstance(facts, dict) and facts.get("transform") == "arrays":  # arrays written as shards
+        return Preprocessing(facts["in_channels"], image_size, tuple(facts["mean"]), tuple(facts["std"]), "stretch")
     if hasattr(base, "classes") or (isinstance(facts, dict) and facts.get("transform") == "photos"):
         from data.imagefolder import MEAN, STD
 
