@@ -11,8 +11,9 @@ import os
 import time
 
 from common import ROOT  # noqa: F401  (puts the app on the path)
-from data import LoaderSpec, build_datasets, build_loaders
+from data import LoaderSpec, build_loaders
 from hvd_train.config import DataConfig
+from hvd_train.datasets import build_datasets
 
 
 def datasets(source, data_dir, image_size):

@@ -1,45 +1,19 @@
 """Data sets, the train/validation split and the per-rank loaders. No Horovod here: ranks are arguments."""
 import multiprocessing
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Callable, Optional
+from typing import Optional
 
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from data import cifar, mnist, shards, stl10
-from data.digits import load_digits_dataset
+from data import shards
+from data.catalog import CHOICES, FROM_FILES, find_dataset, native_size
 from data.errors import BadSampleError, DataError
-from data.preprocessing import Preprocessing, class_names, describe
+from data.preprocessing import Preprocessing, class_names
 from data.samplers import ShardSampler
 from data.split import split_indices
-from data.synthetic import SyntheticDataset
 
-
-@dataclass(frozen=True)
-class Builtin:
-    """A data set that ships: what it tells the model (None where the config decides) and how it is read."""
-    channels: Optional[int]
-    classes: Optional[int]
-    size: int                                # native image size
-    load: Optional[Callable] = None          # (data_dir, image_size) -> (train, test), for the files on disk
-    download: Optional[Callable] = None      # (data_dir) -> None, for --download
-
-
-DATASETS = {
-    "digits": Builtin(1, 10, 8),
-    "synthetic": Builtin(None, None, 224),
-    "mnist": Builtin(1, 10, 28, partial(mnist.load, mnist.MNIST), partial(mnist.download, mnist.MNIST)),
-    "fashion_mnist": Builtin(1, 10, 28, partial(mnist.load, mnist.FASHION_MNIST),
-                             partial(mnist.download, mnist.FASHION_MNIST)),
-    "cifar10": Builtin(3, 10, 32, partial(cifar.load, cifar.CIFAR10), partial(cifar.download, cifar.CIFAR10)),
-    "cifar100": Builtin(3, 100, 32, partial(cifar.load, cifar.CIFAR100), partial(cifar.download, cifar.CIFAR100)),
-    "stl10": Builtin(3, 10, 96, stl10.load, stl10.download),
-    "imagefolder": Builtin(3, None, 224),
-    "shards": Builtin(None, None, 0),  # the facts come from the shard index
-}
-
-__all__ = ["DATASETS", "BadSampleError", "DataError", "DataInfo", "LoaderSpec", "build_datasets", "build_loaders",
-           "check_world", "download_fn", "is_streamed", "users_datasets"]
+__all__ = ["CHOICES", "FROM_FILES", "BadSampleError", "DataError", "DataInfo", "LoaderSpec", "build_loaders",
+           "check_world", "datasets_from", "find_dataset", "is_streamed", "native_size"]
 IMAGE_FACTS = ("in_channels", "num_classes", "image_size")
 
 
@@ -71,47 +45,6 @@ class LoaderSpec:
     shuffle_buffer: int = 1000  # tar shards: samples held to shuffle the stream
 
 
-def download_fn(name):
-    """The function that fetches data set `name` into a directory, or None where nothing is downloaded."""
-    return DATASETS[name].download
-
-
-def build_datasets(dc):
-    """The train and validation sets described by a DataConfig, split the same way on every rank."""
-    if dc.dataset not in DATASETS:
-        raise DataError(f"unknown data set {dc.dataset!r}; choose one of: {', '.join(sorted(DATASETS))} (--dataset)")
-    if dc.dataset == "shards":
-        return shard_sets(dc)
-    builtin = DATASETS[dc.dataset]
-    channels, classes, size = builtin.channels, builtin.classes, dc.image_size or builtin.size
-    presplit = True
-    if dc.dataset == "digits":
-        train = val = load_digits_dataset(dc.image_size)
-        presplit = False
-    elif dc.dataset == "synthetic":
-        channels, classes = dc.synthetic_channels, dc.synthetic_classes
-        train = SyntheticDataset(dc.synthetic_samples, channels, size, classes, seed=0)
-        val = SyntheticDataset(max(1, dc.synthetic_samples // 4), channels, size, classes, seed=1)
-    elif builtin.load is not None:
-        train, val = builtin.load(dc.data_dir, dc.image_size)
-    else:
-        from data import imagefolder  # torchvision's datasets take a second to import: only where they are read
-
-        train, val, presplit = imagefolder.load(dc.data_dir, size, dc.skip_bad_files)
-        classes = len(train.classes)
-    train, val = _held_out(train, val, presplit, dc, f" in {dc.data_dir}")
-    return train, val, DataInfo(channels, classes, size, len(train), len(val),
-                                classes=class_names(dc.dataset, val), preprocessing=describe(val, size))
-
-
-def shard_sets(dc):
-    """The training and validation ShardSets and their DataInfo, from the shard index."""
-    train, val, facts = shards.open_sets(dc)
-    size = dc.image_size or facts.get("image_size")
-    return train, val, DataInfo(facts.get("in_channels"), facts.get("num_classes"), size, len(train), len(val),
-                                classes=class_names(dc.dataset, val), preprocessing=describe(val, size))
-
-
 def _held_out(train, val, presplit, dc, where):
     """The two sets as given where the data set has its own split; else train's and val's views of the same samples
     cut by dc.val_fraction and dc.split_seed (the same cut on every rank). Both must be non-empty."""
@@ -124,22 +57,30 @@ def _held_out(train, val, presplit, dc, where):
     return train, val
 
 
-def users_datasets(train, val, facts, dc):
-    """(train, val, DataInfo) from a user's data set factory's sets and facts: without a validation set, the
-    training set is split by dc.val_fraction and dc.split_seed, as the built-in sets without a split are."""
-    train, val = _held_out(train, train if val is None else val, val is not None, dc, "")
+def datasets_from(train, val, facts, dc, where=""):
+    """(train, val, DataInfo) from what a data set factory returned, the ones that ship as a user's. Without a
+    validation set, or with the fact held_out (val holds the training samples with evaluation transforms), the
+    samples are cut by data.val_fraction and data.split_seed, the same cut on every rank."""
     facts = dict(facts)
+    held_out = val is None or bool(facts.pop("held_out", False))
+    train, val = _held_out(train, train if val is None else val, not held_out, dc, where)
     # Not for the model factory: what predict and the exports need to feed the model image files.
     named, recorded = class_names(dc.dataset, val, facts), facts.pop("preprocessing", None)
     facts.pop("classes", None)
     image = [facts.pop(name, None) for name in IMAGE_FACTS]
+    return train, val, DataInfo(*image, len(train), len(val), extra=facts, classes=named,
+                                preprocessing=_preprocessing(recorded, image, dc))
+
+
+def _preprocessing(recorded, image, dc):
+    """A factory's preprocessing: a Preprocessing (the data sets that ship) or a dict of its fields (a user's)."""
+    if recorded is None or isinstance(recorded, Preprocessing):
+        return recorded
     try:
-        preprocessing = Preprocessing.from_dict({"channels": image[0], "image_size": image[2], **recorded}) \
-            if recorded else None
+        return Preprocessing.from_dict({"channels": image[0], "image_size": image[2], **recorded})
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"--dataset={dc.dataset!r}: its facts' 'preprocessing' {recorded!r} is not usable ({e}); "
                         f"give channels, image_size, mean, std and resize (stretch or center_crop)") from None
-    return train, val, DataInfo(*image, len(train), len(val), extra=facts, classes=named, preprocessing=preprocessing)
 
 
 def _worker_context(workers):

@@ -97,17 +97,17 @@ def open_split(pattern, index, location, train):
     return ShardSet(tuple(urls), tuple(int(index["shards"][shard_name(u)]) for u in urls), index["facts"], train)
 
 
-def open_sets(dc):
+def open_sets(train_shards, val_shards, shard_index=""):
     """(train ShardSet, val ShardSet, facts) for --dataset shards."""
-    for name in ("train_shards", "val_shards"):
-        if not getattr(dc, name):
+    for name, value in (("train_shards", train_shards), ("val_shards", val_shards)):
+        if not value:
             raise DataError(f"--dataset shards needs --data.{name}: a shard path, URL or pipe: command, with "
                             f"braces for a range, e.g. 'shards/{name[:-7]}-{{000000..000009}}.tar'")
-    location = dc.shard_index or default_index(dc.train_shards)
+    location = shard_index or default_index(train_shards)
     if location is None:
         raise DataError("--data.train_shards is a pipe: command: name the shard index with --data.shard_index")
     index = read_index(location)
-    return open_split(dc.train_shards, index, location, True), open_split(dc.val_shards, index, location, False), \
+    return open_split(train_shards, index, location, True), open_split(val_shards, index, location, False), \
         index["facts"]
 
 

@@ -8,15 +8,15 @@ import shutil
 
 import torch
 from torch import nn
-from torch.utils.data import IterableDataset
 
 import hvd_utils
-from data import (DATASETS, LoaderSpec, build_datasets, build_loaders, check_world, download_fn, is_streamed,
-                  users_datasets)
+import data
+from data import LoaderSpec, build_loaders, check_world, is_streamed
 from hvd_train import tasks
+from hvd_train.datasets import build_datasets, dataset_factory
 from hvd_train.engine import StepOptions, Trainer
 from hvd_train.errors import ConfigError
-from hvd_train.plugins import call, import_attribute, is_import_path, resolve
+from hvd_train.plugins import call, is_import_path, resolve
 from hvd_train.profiling import StepProfiler
 from hvd_train.schedule import LRSchedule
 from hvd_train.weights import freeze, load_matching
@@ -30,17 +30,13 @@ def check_choices(cfg):
     Horovod."""
     model_factory(cfg)
     build_task(cfg)
-    if is_import_path(cfg.data.dataset):
-        import_attribute(cfg.data.dataset, "--dataset")
-    elif cfg.data.dataset not in DATASETS:
-        raise ConfigError(f"--dataset={cfg.data.dataset!r} is not known; choose one of: {', '.join(DATASETS)}, or "
-                          f"give your own factory as package.module:name (importable from the working directory "
-                          f"or PYTHONPATH)")
-    elif cfg.data.args:
+    dataset_factory(cfg.data.dataset)
+    shipped = not is_import_path(cfg.data.dataset)
+    if shipped and cfg.data.args:
         raise ConfigError(f"data.args (--data-args) is for your own data set factory (--dataset "
                           f"package.module:name); {cfg.data.dataset} takes its settings from the data.* fields")
     # Data sets that live in files need --data-dir to be a directory (or absent, to be downloaded into).
-    if cfg.data.dataset in DATASETS and cfg.data.dataset not in ("digits", "synthetic") and \
+    if shipped and cfg.data.dataset in data.FROM_FILES and \
             os.path.exists(cfg.data.data_dir) and not os.path.isdir(cfg.data.data_dir):
         later = " (or will, with --download)" if cfg.data.download else ""
         raise ConfigError(f"--data-dir {cfg.data.data_dir}: is a file, not a directory; give the directory that "
@@ -210,42 +206,11 @@ def loader_spec(cfg, device):
 
 def prepare_data(cfg):
     """(train set, val set, DataInfo); a missing data set is fetched first where --download says so."""
-    if is_import_path(cfg.data.dataset):
-        return users_data(cfg)
-    if cfg.data.download and download_fn(cfg.data.dataset) is not None:
+    fetch = getattr(dataset_factory(cfg.data.dataset), "download", None)
+    if cfg.data.download and fetch is not None:
         # Horovod: one download per host, into the shared --data-dir; the other ranks on the host wait for it.
-        hvd_utils.run_on_local_root(lambda: download_fn(cfg.data.dataset)(cfg.data.data_dir),
-                                    f"downloading {cfg.data.dataset}")
-    return build_datasets(cfg.data)
-
-
-def users_data(cfg):
-    """The user's data set factory, called with the facts it names (data_dir, image_size where set, seed) and
-    --data-args; it returns (train, val) or (train, val, facts), val None for the app's split."""
-    name = cfg.data.dataset
-    facts = {"data_dir": cfg.data.data_dir, "seed": cfg.run.seed}
-    if cfg.data.image_size:
-        facts["image_size"] = cfg.data.image_size
-    made = call(import_attribute(name, "--dataset"), facts, cfg.data.args, "--data-args", name)
-    if not isinstance(made, (tuple, list)) or len(made) not in (2, 3) or \
-            (len(made) == 3 and not isinstance(made[2], dict)):
-        raise ConfigError(f"--dataset={name!r}: the factory must return (train, val) or (train, val, facts) with "
-                          f"facts a dict such as {{'num_classes': 10}}; it returned {_describe(made)}")
-    for split, dataset in zip(("training", "validation"), made[:2]):
-        if split == "validation" and dataset is None:
-            continue  # the app splits the training set
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or \
-                not hasattr(dataset, "__getitem__"):
-            raise ConfigError(f"--dataset={name!r}: the {split} set ({type(dataset).__name__}) has no __len__ and "
-                              f"__getitem__: hvd-train shards a data set by index (DistributedSampler), so it must "
-                              f"be map-style; wrap a stream in a map-style Dataset, or shard its files yourself")
-    return users_datasets(made[0], made[1], made[2] if len(made) == 3 else {}, cfg.data)
-
-
-def _describe(value):
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}: ({', '.join(type(v).__name__ for v in value)})"
-    return f"a {type(value).__name__}"
+        hvd_utils.run_on_local_root(lambda: fetch(cfg.data.data_dir), f"downloading {cfg.data.dataset}")
+    return build_datasets(cfg.data, cfg.run.seed)
 
 
 def build_data(cfg, rt):

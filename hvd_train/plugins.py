@@ -65,6 +65,14 @@ def import_attribute(path, flag):
     return obj
 
 
+def takes(factory, parameter):
+    """Whether factory names `parameter` (False where its signature cannot be read)."""
+    try:
+        return parameter in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def call(factory, facts, args, flag, name):
     """factory(**the facts it names, **args). An argument in `args` it does not take, or a parameter without a
     default that neither gives, is refused with the setting named."""

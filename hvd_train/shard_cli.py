@@ -8,8 +8,9 @@ for training from them with --dataset shards.
 import argparse
 import sys
 
-from data import DATASETS, DataError, build_datasets
+from data import FROM_FILES, DataError
 from hvd_train.config import DataConfig
+from hvd_train.datasets import build_datasets, dataset_factory
 from hvd_train.errors import ConfigError
 
 
@@ -17,9 +18,11 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="hvd-train shard", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from", dest="source", required=True,
-                   choices=sorted(name for name in DATASETS if name not in ("synthetic", "shards")),
+                   choices=sorted(name for name in FROM_FILES if name != "shards") + ["digits"],
                    help="the data set to write, read from --data-dir as for training")
     p.add_argument("--data-dir", default="datasets", help="where that data set is (default: %(default)s)")
+    p.add_argument("--download", action="store_true", help="fetch it into --data-dir first where it is missing "
+                   "(needs internet), as train_hvd.py --download does")
     p.add_argument("--out", required=True, help="the directory the shards and index.json go to (new or empty)")
     p.add_argument("--shard-size", type=int, default=10000, help="samples per shard (default: %(default)s); at "
                    "least one shard per rank: a job on N ranks needs N training shards or more")
@@ -37,6 +40,9 @@ def main(argv):
     try:
         from data.shard_writer import write_shards
 
+        fetch = getattr(dataset_factory(args.source), "download", None)
+        if args.download and fetch is not None:
+            fetch(args.data_dir)
         dc = DataConfig(dataset=args.source, data_dir=args.data_dir, image_size=args.image_size,
                         val_fraction=args.val_fraction, split_seed=args.split_seed)
         train, val, info = build_datasets(dc)

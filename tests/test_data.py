@@ -4,7 +4,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from hvd_train.config import DataConfig
-from data import DataError, LoaderSpec, build_datasets, build_loaders
+from hvd_train.datasets import build_datasets
+from data import DataError, LoaderSpec, build_loaders
 from data.digits import load_digits_dataset
 from data.samplers import ShardSampler
 from data.split import split_indices

@@ -12,11 +12,12 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import BIN, QUIET, ROOT, TRAIN, assert_refused, job_env, launch, read_json, run_app
-from data import BadSampleError, DataError, LoaderSpec, build_datasets, build_loaders, check_world
+from conftest import BIN, QUIET, ROOT, TRAIN, assert_refused, job_env, launch, offline_shell, read_json, run_app
+from data import BadSampleError, DataError, LoaderSpec, build_loaders, check_world
 from data.shards import ShardSet, train_plan
 from formats import write_image_folder
 from hvd_train.config import DataConfig
+from hvd_train.datasets import build_datasets
 from test_elastic import elastic_run_losing_a_worker
 
 
@@ -84,6 +85,24 @@ def test_the_writer_stores_samples_as_they_are_with_an_index(tmp_path):
     proc = subprocess.run([str(BIN / "hvd-train"), "shard", "--from", "digits", "--out", str(tmp_path / "shards")],
                           cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "already holds shards (index.json); choose an empty --out" in proc.stderr
+
+
+def test_shard_names_its_own_download_flag_and_fetches_with_it(tmp_path):
+    """A missing data set's message points at --download; hvd-train shard takes it (offline here: the URL is named
+    and nothing is written)."""
+    (tmp_path / "data").mkdir()
+    command = [str(BIN / "hvd-train"), "shard", "--from", "mnist", "--data-dir", str(tmp_path / "data"),
+               "--out", str(tmp_path / "shards")]
+    missing = subprocess.run(command, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "MNIST not found" in missing.stderr and "--download" in missing.stderr, \
+        missing.stderr
+    offline = subprocess.run(offline_shell() + command + ["--download"], cwd=ROOT, env=job_env(),
+                             capture_output=True, text=True, timeout=300)
+    lines = offline.stderr.strip().splitlines()
+    assert offline.returncode == 2 and len(lines) == 1 and lines[0].startswith("hvd-train shard: error: --download "
+                                                                               "MNIST: cannot fetch https://"), \
+        offline.stdout + offline.stderr
+    assert not (tmp_path / "shards").exists() and not list((tmp_path / "data").iterdir())
 
 
 def test_an_epoch_deals_disjoint_shards_and_the_same_steps_to_every_rank(digits_shards):

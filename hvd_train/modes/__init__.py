@@ -1,2 +1,2 @@
-"""The modes besides a fixed-size training run (train_hvd.train, the recipe): each builds only what it uses.
-train_hvd.main decides the mode once."""
+"""The modes of a run, each building only what it uses: fixed.py (training on a fixed set of ranks), elastic.py,
+evaluate.py, benchmark.py. train_hvd.main decides the mode once."""

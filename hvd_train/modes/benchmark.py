@@ -14,7 +14,7 @@ import time
 import torch
 
 import hvd_utils
-from data import DATASETS, DataInfo
+from data import DataInfo, native_size
 from hvd_train.build import attach_profiler, build_trainer
 from hvd_train.engine import Hooks, train_one_epoch
 from hvd_train.errors import NonFiniteLossError
@@ -81,7 +81,7 @@ def run(cfg, rt):
     channels, classes = cfg.data.synthetic_channels, cfg.data.synthetic_classes
     # Without --image-size: ImageNet-sized images for torchvision models (as in Horovod's benchmark), MNIST-sized
     # ones for the small models made for those.
-    native = DATASETS["mnist" if cfg.model.name in SMALL_MODELS else "synthetic"].size
+    native = native_size("mnist" if cfg.model.name in SMALL_MODELS else "synthetic")
     size = cfg.data.image_size or native
     info = DataInfo(channels, classes, size, 0, 0)
     run_dir = RunDir(cfg.run.output_dir)

@@ -1,0 +1,98 @@
+"""The data sets that ship, each a factory of the same kind as a user's `--dataset package.module:name`.
+
+A factory is called with the settings it names as parameters (`data_dir`, `image_size` where it is set, the
+`data.*` fields, the run's `seed`) and returns `(train, val, facts)`: `val` is None where the data set has no split
+of its own, and the app holds out `data.val_fraction`. The default of a factory's `image_size` is the data set's
+native size. A factory with a `download(data_dir)` attribute is fetched by `--download` (once per host).
+"""
+import inspect
+from functools import partial
+
+from data import cifar, mnist, shards, stl10
+from data.digits import load_digits_dataset
+from data.preprocessing import describe
+from data.synthetic import SyntheticDataset
+
+
+def image_facts(channels, classes, size, val):
+    """What a data set of images tells the model and the exports: channels, classes, size and the validation
+    preprocessing (from the validation samples themselves)."""
+    return {"in_channels": channels, "num_classes": classes, "image_size": size, "preprocessing": describe(val, size)}
+
+
+def fetched_by(download):
+    """Gives a factory the function --download calls to fetch its files into a directory."""
+    def attach(factory):
+        factory.download = download
+        return factory
+    return attach
+
+
+def digits(image_size=8):
+    """scikit-learn's 1,797 8x8 digits (shipped with the package, no files): split by data.val_fraction."""
+    samples = load_digits_dataset(image_size)
+    return samples, None, image_facts(1, 10, image_size, samples)
+
+
+def synthetic(image_size=224, synthetic_samples=1024, synthetic_channels=3, synthetic_classes=10):
+    """Random images for benchmarks and smoke tests; validation gets a quarter as many."""
+    train = SyntheticDataset(synthetic_samples, synthetic_channels, image_size, synthetic_classes, seed=0)
+    val = SyntheticDataset(max(1, synthetic_samples // 4), synthetic_channels, image_size, synthetic_classes, seed=1)
+    return train, val, image_facts(synthetic_channels, synthetic_classes, image_size, val)
+
+
+def _mnist_like(spec):
+    @fetched_by(partial(mnist.download, spec))
+    def factory(data_dir, image_size=28):
+        train, val = mnist.load(spec, data_dir, image_size)
+        return train, val, image_facts(1, 10, image_size, val)
+    return factory
+
+
+def _cifar(spec, classes):
+    @fetched_by(partial(cifar.download, spec))
+    def factory(data_dir, image_size=32):
+        train, val = cifar.load(spec, data_dir, image_size)
+        return train, val, image_facts(3, classes, image_size, val)
+    return factory
+
+
+@fetched_by(stl10.download)
+def stl10_set(data_dir, image_size=96):
+    train, val = stl10.load(data_dir, image_size)
+    return train, val, image_facts(3, 10, image_size, val)
+
+
+def imagefolder(data_dir, image_size=224, skip_bad_files=False):
+    """Class folders, with train/ and val/ or split by data.val_fraction (the same files read twice: training and
+    evaluation transforms)."""
+    from data import imagefolder as folders  # torchvision's datasets take a second to import: only where read
+
+    train, val, presplit = folders.load(data_dir, image_size, skip_bad_files)
+    return train, val, {**image_facts(3, len(train.classes), image_size, val), "held_out": not presplit}
+
+
+def shard_sets(train_shards="", val_shards="", shard_index="", image_size=0):
+    """WebDataset tars written by `hvd-train shard`; the facts come from their index."""
+    train, val, facts = shards.open_sets(train_shards, val_shards, shard_index)
+    size = image_size or facts.get("image_size")
+    return train, val, image_facts(facts.get("in_channels"), facts.get("num_classes"), size, val)
+
+
+DATASETS = {"digits": digits, "synthetic": synthetic, "mnist": _mnist_like(mnist.MNIST),
+            "fashion_mnist": _mnist_like(mnist.FASHION_MNIST), "cifar10": _cifar(cifar.CIFAR10, 10),
+            "cifar100": _cifar(cifar.CIFAR100, 100), "stl10": stl10_set, "imagefolder": imagefolder,
+            "shards": shard_sets}
+CHOICES = f"choose one of: {', '.join(DATASETS)}"
+FROM_FILES = tuple(name for name, factory in DATASETS.items() if "data_dir" in inspect.signature(factory).parameters)
+# the data sets read from --data-dir
+
+
+def find_dataset(name):
+    """The factory of the data set that ships with this name, or None."""
+    return DATASETS.get(name)
+
+
+def native_size(name):
+    """The image size data set `name` has when --image-size is not set (its factory's default)."""
+    return inspect.signature(DATASETS[name]).parameters["image_size"].default
