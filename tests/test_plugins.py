@@ -2,6 +2,7 @@
 trained as their READMEs say, with real 2-rank launches."""
 import inspect
 import math
+import sys
 import textwrap
 
 import pytest
@@ -14,9 +15,11 @@ EXAMPLES = ROOT / "examples"
 
 # A user's project, as tests write it into the working directory of the run.
 PLUGS = '''
+import os
+
 import torch
 from torch import nn
-from torch.utils.data import IterableDataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 
 def net(in_channels, num_classes, image_size, hidden=16):
@@ -37,6 +40,37 @@ def blobs(data_dir, seed, count=96):
 
 def mlp(features, num_classes):
     return nn.Linear(features, num_classes)
+
+
+def fetched(data_dir, seed):
+    """blobs, as many as the file --download wrote says."""
+    with open(os.path.join(data_dir, "count.txt")) as f:
+        return blobs(data_dir, seed, count=int(f.read()))
+
+
+def _fetch(data_dir):
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, "count.txt"), "w") as f:
+        f.write("60")
+
+
+fetched.download = _fetch
+
+
+class View(Dataset):
+    """Sample i is (i, 1) in the training view and (i, 0) in the evaluation view."""
+    def __init__(self, train):
+        self.train = train
+
+    def __len__(self):
+        return 50
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), float(self.train)]), i % 2
+
+
+def views():
+    return View(True), View(False), {"num_classes": 2, "held_out": True}
 
 
 class Stream(IterableDataset):
@@ -107,6 +141,27 @@ def test_a_users_model_and_data_set_train_with_the_facts_they_name(project, app)
     summary = read_json(project / "run" / "summary.json")
     assert summary["model"] == "plugs:mlp" and summary["dataset"] == "plugs:blobs"
     assert summary["task"] == "classification" and summary["history"][-1]["val_count"] == 24
+
+
+def test_a_users_data_set_is_fetched_by_download_and_split_across_two_views(project, app, monkeypatch):
+    """The two hooks the data sets that ship use (data/catalog.py) work for a user's: download(data_dir) runs for
+    --download; held_out cuts a training view and an evaluation view of the same samples by --data.val_fraction."""
+    result = app("--output-dir", project / "run", "--dataset", "plugs:fetched", "--download", "--data-dir",
+                 project / "data", "--model", "plugs:mlp", "--epochs", "1", "--batch-size", "8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "48 train / 12 val samples" in result.stdout and (project / "data" / "count.txt").read_text() == "60"
+
+    from hvd_train.config import DataConfig
+    from hvd_train.datasets import build_datasets
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the import of plugs below adds the project to the path
+    monkeypatch.delitem(sys.modules, "plugs", raising=False)
+    train, val, info = build_datasets(DataConfig(dataset="plugs:views"))
+    monkeypatch.delitem(sys.modules, "plugs")
+    trained, evaluated = [[sample.tolist() for sample, _ in split] for split in (train, val)]
+    assert (len(trained), len(evaluated), info.num_val) == (40, 10, 10)
+    assert {flag for _, flag in trained} == {1.0} and {flag for _, flag in evaluated} == {0.0}
+    assert sorted(i for i, _ in trained + evaluated) == [float(i) for i in range(50)]
 
 
 def test_resuming_with_another_plugin_is_refused_with_the_setting_named(project, app):
