@@ -44,6 +44,8 @@ def tiny(in_channels, num_classes, width=8, spectral=False):
     return TinyNet(in_channels, num_classes, width, spectral)
 '''
 FORMATS = ("safetensors", "torchscript", "onnx")
+# The tests read the same four trained runs (the module's fixture): on one worker they are trained once.
+pytestmark = pytest.mark.xdist_group("export")
 
 
 def hvd_train(*args, cwd=ROOT):
