@@ -84,8 +84,8 @@ DATASETS = {"digits": digits, "synthetic": synthetic, "mnist": _mnist_like(mnist
             "cifar100": _cifar(cifar.CIFAR100, 100), "stl10": stl10_set, "imagefolder": imagefolder,
             "shards": shard_sets}
 CHOICES = f"choose one of: {', '.join(DATASETS)}"
+# The data sets read from --data-dir.
 FROM_FILES = tuple(name for name, factory in DATASETS.items() if "data_dir" in inspect.signature(factory).parameters)
-# the data sets read from --data-dir
 
 
 def find_dataset(name):

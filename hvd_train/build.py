@@ -31,12 +31,11 @@ def check_choices(cfg):
     model_factory(cfg)
     build_task(cfg)
     dataset_factory(cfg.data.dataset)
-    shipped = not is_import_path(cfg.data.dataset)
-    if shipped and cfg.data.args:
+    if not is_import_path(cfg.data.dataset) and cfg.data.args:
         raise ConfigError(f"data.args (--data-args) is for your own data set factory (--dataset "
                           f"package.module:name); {cfg.data.dataset} takes its settings from the data.* fields")
     # Data sets that live in files need --data-dir to be a directory (or absent, to be downloaded into).
-    if shipped and cfg.data.dataset in data.FROM_FILES and \
+    if cfg.data.dataset in data.FROM_FILES and \
             os.path.exists(cfg.data.data_dir) and not os.path.isdir(cfg.data.data_dir):
         later = " (or will, with --download)" if cfg.data.download else ""
         raise ConfigError(f"--data-dir {cfg.data.data_dir}: is a file, not a directory; give the directory that "

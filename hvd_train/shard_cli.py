@@ -8,7 +8,8 @@ for training from them with --dataset shards.
 import argparse
 import sys
 
-from data import FROM_FILES, DataError
+from data import DataError
+from data.catalog import DATASETS
 from hvd_train.config import DataConfig
 from hvd_train.datasets import build_datasets, dataset_factory
 from hvd_train.errors import ConfigError
@@ -18,7 +19,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="hvd-train shard", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from", dest="source", required=True,
-                   choices=sorted(name for name in FROM_FILES if name != "shards") + ["digits"],
+                   choices=sorted(name for name in DATASETS if name not in ("synthetic", "shards")),
                    help="the data set to write, read from --data-dir as for training")
     p.add_argument("--data-dir", default="datasets", help="where that data set is (default: %(default)s)")
     p.add_argument("--download", action="store_true", help="fetch it into --data-dir first where it is missing "
