@@ -162,6 +162,11 @@ def patches(cxx_standard):
          "    Eigen::VectorXd v = TunableParameter::BestValue();\n    v[index_[variable]] = value;",
          "with HOROVOD_FUSION_THRESHOLD and HOROVOD_CYCLE_TIME set, the hvd.init() of an elastic reset wrote past "
          "the end of the tuned-parameter vector and the surviving workers crashed (segmentation fault)"),
+        ("setup.py",
+         "else 'RelWithDebInfo'",
+         "else 'Release'  # hvd-train: -O3 as before, without -g (HOROVOD_DEBUG=1 still builds Debug)",
+         "optimized as before (-O3) but without debug info, as PyPI's torch is built: a third less compile time "
+         "on the torch extension's heavy files, and a smaller library"),
         ("horovod/runner/mpi_run.py",
          "        os.execve('/bin/sh', ['/bin/sh', '-c', mpirun_command], env)",
          "        # hvd-train: exec, so horovodrun's pid becomes mpirun's and a signal sent to it reaches mpirun,\n"

@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -6,9 +9,10 @@ from torch.utils.data import TensorDataset
 from hvd_train.config import DataConfig
 from hvd_train.datasets import build_datasets
 from data import DataError, LoaderSpec, build_loaders
-from data.digits import load_digits_dataset
+from data.digits import load_digits_dataset, read_digits
 from data.samplers import ShardSampler
 from data.split import split_indices
+from conftest import ROOT
 from formats import (write_cifar10, write_cifar100_binary, write_cifar_python, write_desktop_litter,
                      write_image_folder, write_mnist, write_stl10)
 
@@ -20,6 +24,16 @@ def test_digits_are_the_1797_bundled_8x8_images_scaled_to_unit_range():
     assert images.shape == (1797, 1, 8, 8) and labels.shape == (1797,)
     assert images.min() >= 0.0 and images.max() <= 1.0
     assert set(labels.tolist()) == set(range(10))
+
+
+def test_digits_read_from_the_package_file_are_scikit_learns_digits_without_importing_it():
+    from sklearn.datasets import load_digits  # the reference; the app's read must not need it
+    images, labels = read_digits()
+    bunch = load_digits()
+    assert np.array_equal(images, bunch.images) and np.array_equal(labels, bunch.target)
+    code = "import sys; from data.digits import read_digits; read_digits(); print('sklearn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_split_is_deterministic_disjoint_and_complete():
