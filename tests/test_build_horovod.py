@@ -53,6 +53,8 @@ def fake_sdist(root):
     write(root / "horovod/common/parameter_manager.cc",
           "    fixed_values_[variable] = value;\n    ResetBayes();\n"
           "  } else {\n    Eigen::VectorXd v = TunableParameter::BestValue();\n    v[index_[variable]] = value;\n")
+    write(root / "setup.py",
+          "        config = 'Debug' if self.debug or os.environ.get('HOROVOD_DEBUG') == \"1\" else 'RelWithDebInfo'\n")
     write(root / "horovod/runner/mpi_run.py",
           "    else:\n        os.execve('/bin/sh', ['/bin/sh', '-c', mpirun_command], env)\n")
 
@@ -67,6 +69,8 @@ def test_patches_raise_the_standard_everywhere_and_let_cpu_builds_ignore_cuda_to
     assert "CMAKE_CXX_STANDARD 20" in torch_cmake and "CMAKE_CXX_STANDARD 14" not in torch_cmake
     assert "distutils" not in torch_cmake and "sysconfig.get_paths()" in torch_cmake
     assert "HVD_TRAIN_TORCH_CPU_ONLY" in find and "set(Pytorch_CUDA FALSE)" in find
+    # Optimized as Horovod builds it, without debug info; HOROVOD_DEBUG=1 still asks for a debug build.
+    assert "else 'Release'" in (tmp_path / "setup.py").read_text()
 
 
 def test_patches_for_clusters_use_the_named_interface_and_survive_an_elastic_reinit(tmp_path):
