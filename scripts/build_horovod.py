@@ -162,6 +162,47 @@ def patches(cxx_standard):
          "    Eigen::VectorXd v = TunableParameter::BestValue();\n    v[index_[variable]] = value;",
          "with HOROVOD_FUSION_THRESHOLD and HOROVOD_CYCLE_TIME set, the hvd.init() of an elastic reset wrote past "
          "the end of the tuned-parameter vector and the surviving workers crashed (segmentation fault)"),
+        ("horovod/torch/handle_manager.h",
+         "#include <atomic>\n",
+         "#include <atomic>\n#include <condition_variable>\n",
+         "hvd.synchronize sleeps until its handle is done (see mpi_ops_v2.cc): the condition variable's header"),
+        ("horovod/torch/handle_manager.h",
+         "  bool PollHandle(int handle);\n",
+         "  bool PollHandle(int handle);\n  void WaitHandle(int handle);\n",
+         "the same: HandleManager::WaitHandle"),
+        ("horovod/torch/handle_manager.h",
+         "  std::mutex mutex_;\n",
+         "  std::mutex mutex_;\n  std::condition_variable done_;\n",
+         "the same: the condition variable, guarded by the handles' mutex"),
+        ("horovod/torch/handle_manager.cc",
+         "  results_[handle] = std::make_shared<Status>(status);\n}\n",
+         "  results_[handle] = std::make_shared<Status>(status);\n  done_.notify_all();\n}\n\n"
+         "// hvd-train: sleeps until MarkDone (or Reset) instead of polling.\n"
+         "void HandleManager::WaitHandle(int handle) {\n"
+         "  std::unique_lock<std::mutex> lock(mutex_);\n"
+         "  done_.wait(lock, [&] {\n"
+         "    auto found = results_.find(handle);\n"
+         "    if (found == results_.end()) {\n"
+         "      throw std::invalid_argument(\"Handle \" + std::to_string(handle) +\n"
+         "                                  \" was not created or has been cleared.\");\n"
+         "    }\n"
+         "    return found->second != nullptr;\n"
+         "  });\n"
+         "}\n",
+         "the same: the background thread's MarkDone wakes the waiters"),
+        ("horovod/torch/handle_manager.cc",
+         "  results_.clear();\n  last_handle_ = 0;\n",
+         "  results_.clear();\n  last_handle_ = 0;\n  done_.notify_all();\n",
+         "the same: an elastic reset clears every handle and wakes the waiters, who are told as a poll tells them"),
+        ("horovod/torch/mpi_ops_v2.cc",
+         "  while (true) {\n    if (handle_manager.PollHandle(handle)) break;\n    {\n"
+         "      py::gil_scoped_release release_python_gil;\n      std::this_thread::yield();\n    }\n  }\n",
+         "  // hvd-train: sleep on the handle instead of spinning on sched_yield(). The spin kept a whole core busy\n"
+         "  // for as long as the allreduce took, taken from the background thread that runs it, from the other\n"
+         "  // ranks on the host and from the data loader's workers.\n"
+         "  {\n    py::gil_scoped_release release_python_gil;\n    handle_manager.WaitHandle(handle);\n  }\n",
+         "hvd.synchronize() (every optimizer step) waited by spinning on sched_yield(), a core per rank for as "
+         "long as each allreduce took; it now sleeps until the background thread marks the handle done"),
         ("setup.py",
          "else 'RelWithDebInfo'",
          "else 'Release'  # hvd-train: -O3 as before, without -g (HOROVOD_DEBUG=1 still builds Debug)",

@@ -53,6 +53,20 @@ def fake_sdist(root):
     write(root / "horovod/common/parameter_manager.cc",
           "    fixed_values_[variable] = value;\n    ResetBayes();\n"
           "  } else {\n    Eigen::VectorXd v = TunableParameter::BestValue();\n    v[index_[variable]] = value;\n")
+    write(root / "horovod/torch/handle_manager.h",
+          "#include <atomic>\n#include <memory>\n  bool PollHandle(int handle);\n"
+          "  std::shared_ptr<Status> ReleaseHandle(int handle);\n  std::mutex mutex_;\n")
+    write(root / "horovod/torch/handle_manager.cc",
+          "void HandleManager::MarkDone(int handle, const Status& status) {\n"
+          "  std::lock_guard<std::mutex> guard(mutex_);\n"
+          "  results_[handle] = std::make_shared<Status>(status);\n}\n"
+          "void HandleManager::Reset() {\n  std::lock_guard<std::mutex> guard(mutex_);\n"
+          "  results_.clear();\n  last_handle_ = 0;\n}\n")
+    write(root / "horovod/torch/mpi_ops_v2.cc",
+          "void WaitAndClear(int handle) {\n"
+          "  while (true) {\n    if (handle_manager.PollHandle(handle)) break;\n    {\n"
+          "      py::gil_scoped_release release_python_gil;\n      std::this_thread::yield();\n    }\n  }\n"
+          "  auto status = handle_manager.ReleaseHandle(handle);\n")
     write(root / "setup.py",
           "        config = 'Debug' if self.debug or os.environ.get('HOROVOD_DEBUG') == \"1\" else 'RelWithDebInfo'\n")
     write(root / "horovod/runner/mpi_run.py",
@@ -71,6 +85,17 @@ def test_patches_raise_the_standard_everywhere_and_let_cpu_builds_ignore_cuda_to
     assert "HVD_TRAIN_TORCH_CPU_ONLY" in find and "set(Pytorch_CUDA FALSE)" in find
     # Optimized as Horovod builds it, without debug info; HOROVOD_DEBUG=1 still asks for a debug build.
     assert "else 'Release'" in (tmp_path / "setup.py").read_text()
+
+
+def test_patches_make_synchronize_sleep_until_the_handle_is_done(tmp_path):
+    fake_sdist(tmp_path)
+    build_horovod.apply_patches(tmp_path, 20)
+    ops = (tmp_path / "horovod/torch/mpi_ops_v2.cc").read_text()
+    manager = (tmp_path / "horovod/torch/handle_manager.cc").read_text()
+    assert "std::this_thread::yield()" not in ops and "handle_manager.WaitHandle(handle);" in ops
+    # Woken by the background thread's MarkDone, and by an elastic reset's Reset, which clears every handle.
+    assert manager.count("done_.notify_all();") == 2 and "void HandleManager::WaitHandle(int handle)" in manager
+    assert "std::condition_variable done_;" in (tmp_path / "horovod/torch/handle_manager.h").read_text()
 
 
 def test_patches_for_clusters_use_the_named_interface_and_survive_an_elastic_reinit(tmp_path):

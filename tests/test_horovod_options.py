@@ -99,3 +99,12 @@ def test_a_failed_download_stops_every_rank_with_its_cause_instead_of_hanging(tm
     assert proc.returncode != 0
     # Rank 1 waited on rank 0's download (one host): it stops with the same error, not "failed on another host".
     assert [read_json(tmp_path / f"rank{r}.json") for r in range(2)] == [{"error": "the mirror is unreachable"}] * 2
+
+
+def test_a_rank_waiting_for_a_late_peer_sleeps_instead_of_spinning(tmp_path, worker):
+    # Horovod's own wait spun on sched_yield(), a core per waiting rank taken from the ranks still computing (the
+    # build's WaitAndClear patch). Sleeping, rank 0 uses a small share of a core: Horovod's background cycle.
+    launch("horovodrun-gloo", 2, worker("late_peer.py"), tmp_path / "wait.json", 3)
+    got = read_json(tmp_path / "wait.json")
+    assert got["waited"] >= 2.5, got  # it did wait for rank 1
+    assert got["cpu"] < 0.25 * got["waited"], got
