@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import launch, read_json
+from conftest import WORKERS, launch, read_json
 from workers.uneven_metrics import fixed_samples
 
 pytestmark = pytest.mark.distributed
@@ -44,13 +44,24 @@ def test_ranks_seeded_differently_are_identical_after_initial_broadcast(tmp_path
         assert torch.equal(buf0, buf0_before)
 
 
-@pytest.mark.parametrize("num_samples,batch", [(7, 2), (7, 8), (3, 1)])
-def test_validation_metrics_are_exact_when_shards_are_uneven(tmp_path, worker, num_samples, batch):
-    launch("horovodrun-gloo", 2, worker("uneven_metrics.py"), tmp_path, num_samples, batch)
+UNEVEN = [(7, 2), (7, 8), (3, 1)]
+
+
+@pytest.fixture(scope="module")
+def uneven_results(tmp_path_factory):
+    """One 2-rank job evaluates every case of UNEVEN (xdist_group keeps its readers on one worker)."""
+    out = tmp_path_factory.mktemp("uneven")
+    launch("horovodrun-gloo", 2, WORKERS / "uneven_metrics.py", out, *(f"{n}:{b}" for n, b in UNEVEN))
+    return out
+
+
+@pytest.mark.xdist_group("uneven")
+@pytest.mark.parametrize("num_samples,batch", UNEVEN)
+def test_validation_metrics_are_exact_when_shards_are_uneven(uneven_results, num_samples, batch):
     logits, labels = fixed_samples(num_samples)
     expected_loss = torch.nn.functional.cross_entropy(logits.double(), labels).item()
     expected_acc1 = 100.0 * ((num_samples + 1) // 2) / num_samples
-    results = [read_json(tmp_path / f"rank{r}.json") for r in range(2)]
+    results = [read_json(uneven_results / f"{num_samples}-{batch}-rank{r}.json") for r in range(2)]
     assert [r["local_count"] for r in results] == [(num_samples + 1) // 2, num_samples // 2]
     for result in results:
         assert result["count"] == num_samples, "a sample was counted twice or not at all"

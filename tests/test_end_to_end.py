@@ -4,12 +4,27 @@ import pytest
 from conftest import TRAIN, assert_refused, launch, read_json, run_app
 
 
+LAUNCHERS = ("horovodrun-gloo", "horovodrun-mpi", "mpirun")
+
+
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory):
+    """The default digits run (15 epochs, 2 ranks) under each launcher, trained once for the tests that read them
+    (xdist_group keeps those tests on one worker): launcher -> (the job's output, its run directory)."""
+    root = tmp_path_factory.mktemp("default_runs")
+    runs = {}
+    for launcher in LAUNCHERS:
+        out = root / launcher
+        runs[launcher] = (launch(launcher, 2, TRAIN, "--output-dir", out).stdout, out)
+    return runs
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("launcher,controller", [("horovodrun-gloo", "Gloo"), ("horovodrun-mpi", "MPI"),
-                                                 ("mpirun", "MPI")])
-def test_two_ranks_reach_the_accuracy_bar_on_the_digits(tmp_path, launcher, controller):
-    proc = launch(launcher, 2, TRAIN, "--output-dir", tmp_path)
-    summary = read_json(tmp_path / "summary.json")
+@pytest.mark.xdist_group("default_runs")
+@pytest.mark.parametrize("launcher,controller", list(zip(LAUNCHERS, ("Gloo", "MPI", "MPI"))))
+def test_two_ranks_reach_the_accuracy_bar_on_the_digits(default_runs, launcher, controller):
+    stdout, out = default_runs[launcher]
+    summary = read_json(out / "summary.json")
     assert summary["world_size"] == 2
     assert summary["controller"] == controller
     assert summary["epochs"] == 15 and len(summary["history"]) == 15
@@ -22,8 +37,8 @@ def test_two_ranks_reach_the_accuracy_bar_on_the_digits(tmp_path, launcher, cont
     # Every validation sample is counted once per epoch, whatever the sharding.
     assert {h["val_count"] for h in summary["history"]} == {359}
     # Only rank 0 reports: one line per epoch in the whole job's output.
-    assert proc.stdout.count("epoch 15/15") == 1
-    assert read_json(tmp_path / "config.json")["run"]["output_dir"] == str(tmp_path)
+    assert stdout.count("epoch 15/15") == 1
+    assert read_json(out / "config.json")["run"]["output_dir"] == str(out)
 
 
 @pytest.mark.distributed
@@ -36,14 +51,13 @@ def test_a_plain_single_process_trains(tmp_path):
 
 
 @pytest.mark.distributed
-def test_same_seed_gives_the_same_result_under_gloo_and_mpi(tmp_path):
-    results = []
-    for launcher in ("horovodrun-gloo", "mpirun"):
-        out = tmp_path / launcher
-        launch(launcher, 2, TRAIN, "--output-dir", out, "--epochs", "2")
-        results.append(read_json(out / "summary.json"))
-    assert results[0]["params_fingerprints"] == results[1]["params_fingerprints"]
-    assert [h["val_loss"] for h in results[0]["history"]] == [h["val_loss"] for h in results[1]["history"]]
+@pytest.mark.xdist_group("default_runs")
+def test_same_seed_gives_the_same_result_under_gloo_and_mpi(default_runs):
+    # Bitwise: every step's averaged gradients are the same sums, whichever controller carried them.
+    results = [read_json(out / "summary.json") for _, out in default_runs.values()]
+    for other in results[1:]:
+        assert other["params_fingerprints"] == results[0]["params_fingerprints"]
+        assert [h["val_loss"] for h in other["history"]] == [h["val_loss"] for h in results[0]["history"]]
 
 
 BAD_SETTINGS = [

@@ -1,9 +1,10 @@
 """Validation metrics over a set that does not divide by the number of ranks.
 
-    uneven_metrics.py OUT_DIR NUM_SAMPLES BATCH_SIZE
+    uneven_metrics.py OUT_DIR NUM_SAMPLES:BATCH_SIZE [NUM_SAMPLES:BATCH_SIZE ...]
 
 The "model" is the identity and each sample's input is its logits, so the expected loss and accuracy are known
-exactly. Each rank writes OUT_DIR/rank<r>.json with the globally reduced metrics it computed.
+exactly. For each case, each rank writes OUT_DIR/<n>-<batch>-rank<r>.json with the globally reduced metrics it
+computed (one job evaluates every case: the cases need no fresh start).
 """
 import json
 import sys
@@ -28,18 +29,24 @@ def fixed_samples(n):
     return logits, labels
 
 
-def main(out_dir, n, batch):
-    rt = hvd_utils.init()
+def evaluate_case(rt, out_dir, n, batch):
     logits, labels = fixed_samples(n)
     dataset = TensorDataset(logits, labels)
     _, val_loader, _ = build_loaders(dataset, dataset, LoaderSpec(batch, seed=0), rt.rank, rt.size)
     task, cpu = builtin_task("classification"), torch.device("cpu")
     result = engine.evaluate_all(nn.Identity(), task, val_loader, cpu)
     result["local_count"] = float(engine.evaluate(nn.Identity(), task, val_loader, cpu).get("count", 0))
-    with open(f"{out_dir}/rank{rt.rank}.json", "w") as f:
+    with open(f"{out_dir}/{n}-{batch}-rank{rt.rank}.json", "w") as f:
         json.dump(result, f)
+
+
+def main(out_dir, cases):
+    rt = hvd_utils.init()
+    for case in cases:
+        n, batch = map(int, case.split(":"))
+        evaluate_case(rt, out_dir, n, batch)
     hvd_utils.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2:])
