@@ -601,8 +601,8 @@ def build_wheel(plan, info, sdist, out_dir, offline):
         apply_patches(src, info["cxx_standard"])
         env = build_env(plan, tmp)
         parts = (["NCCL"] if plan.gpu else []) + (["MPI"] if plan.mpi else []) + ["Gloo"]
-        log(f"compiling Horovod ({' + '.join(parts)}, PyTorch only); about 4 minutes on 2 cores, "
-            f"{'more for each GPU architecture' if plan.gpu else 'for the CPU build'}")
+        log(f"compiling Horovod ({' + '.join(parts)}, PyTorch only); about 2 minutes on 2 cores for "
+            f"{'the CPU part, more for each GPU architecture' if plan.gpu else 'the CPU build'}")
         cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist")]
         try:
             run(cmd + (["--no-index"] if offline else []) + [str(src)], env=env)
