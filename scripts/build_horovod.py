@@ -208,6 +208,30 @@ def patches(cxx_standard):
          "else 'Release'  # hvd-train: -O3 as before, without -g (HOROVOD_DEBUG=1 still builds Debug)",
          "optimized as before (-O3) but without debug info, as PyPI's torch is built: a third less compile time "
          "on the torch extension's heavy files, and a smaller library"),
+        ("horovod/runner/common/util/safe_shell_exec.py",
+         "def terminate_executor_shell_and_children(pid):\n",
+         "def terminate_executor_shell_and_children(pid, shell=None):\n"
+         "    # hvd-train: shell is the Popen that started pid, waited for through it below.\n",
+         "horovodrun --gloo's rank runner (safe_shell_exec): the Popen of the rank's shell is passed to the code that "
+         "ends it"),
+        ("horovod/runner/common/util/safe_shell_exec.py",
+         "    try:\n        p.wait(timeout=GRACEFUL_TERMINATION_TIME_S)\n    except psutil.TimeoutExpired:\n",
+         "    # hvd-train: wait through the shell's Popen, whose wait() the main thread is blocked in. psutil's wait\n"
+         "    # reaped the shell itself when it ran first (a busy machine), and Popen.wait() then took the lost\n"
+         "    # status for 0: an interrupted or killed rank counted as a success and horovodrun exited 0.\n"
+         "    try:\n        (shell.wait if shell is not None else p.wait)(timeout=GRACEFUL_TERMINATION_TIME_S)\n"
+         "    except (psutil.TimeoutExpired, subprocess.TimeoutExpired):\n",
+         "the same: once a signal or a failed peer ended the ranks, two threads reaped each rank's shell; when "
+         "psutil's won, the rank's exit status was lost as 0 and horovodrun --gloo could exit 0 after Ctrl-C"),
+        ("horovod/runner/common/util/safe_shell_exec.py",
+         "terminate_executor_shell_and_children, args=(executor_shell.pid,), daemon=True)",
+         "terminate_executor_shell_and_children, args=(executor_shell.pid, executor_shell),\n"
+         "             daemon=True)",
+         "the same, when the launcher ends the ranks"),
+        ("horovod/runner/common/util/safe_shell_exec.py",
+         "        terminate_executor_shell_and_children(executor_shell.pid)\n",
+         "        terminate_executor_shell_and_children(executor_shell.pid, executor_shell)\n",
+         "the same, when the launcher itself died"),
         ("horovod/runner/mpi_run.py",
          "        os.execve('/bin/sh', ['/bin/sh', '-c', mpirun_command], env)",
          "        # hvd-train: exec, so horovodrun's pid becomes mpirun's and a signal sent to it reaches mpirun,\n"

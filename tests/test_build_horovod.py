@@ -71,6 +71,13 @@ def fake_sdist(root):
           "        config = 'Debug' if self.debug or os.environ.get('HOROVOD_DEBUG') == \"1\" else 'RelWithDebInfo'\n")
     write(root / "horovod/runner/mpi_run.py",
           "    else:\n        os.execve('/bin/sh', ['/bin/sh', '-c', mpirun_command], env)\n")
+    write(root / "horovod/runner/common/util/safe_shell_exec.py",
+          "def terminate_executor_shell_and_children(pid):\n    p = psutil.Process(pid)\n"
+          "    try:\n        p.wait(timeout=GRACEFUL_TERMINATION_TIME_S)\n    except psutil.TimeoutExpired:\n"
+          "        p.kill()\n\n"
+          "    on_event(exit_event, terminate_executor_shell_and_children, args=(executor_shell.pid,), daemon=True)\n"
+          "    def kill_executor_children_if_parent_dies():\n"
+          "        terminate_executor_shell_and_children(executor_shell.pid)\n")
 
 
 def test_patches_raise_the_standard_everywhere_and_let_cpu_builds_ignore_cuda_torch(tmp_path):
@@ -110,6 +117,10 @@ def test_patches_for_clusters_use_the_named_interface_and_survive_an_elastic_rei
     assert params.index("if (fixed_values_.find(variable) != fixed_values_.end())") < params.index("v[index_[")
     # horovodrun --mpi becomes mpirun, so a signal sent to its pid reaches the job.
     assert "['/bin/sh', '-c', 'exec ' + mpirun_command]" in (tmp_path / "horovod/runner/mpi_run.py").read_text()
+    # horovodrun --gloo waits for each rank's shell in one place, so a rank's exit status is never lost as 0.
+    runner = (tmp_path / "horovod/runner/common/util/safe_shell_exec.py").read_text()
+    assert "p.wait(" not in runner.replace("(shell.wait if shell is not None else p.wait)(", "")
+    assert runner.count("executor_shell.pid, executor_shell)") == 2
 
 
 def test_every_patch_matches_the_real_sdist_once(tmp_path):
