@@ -210,7 +210,7 @@ def patches(cxx_standard):
          "on the torch extension's heavy files, and a smaller library"),
         ("horovod/runner/common/util/safe_shell_exec.py",
          "def terminate_executor_shell_and_children(pid):\n",
-         "def terminate_executor_shell_and_children(pid, shell=None):\n"
+         "def terminate_executor_shell_and_children(pid, shell):\n"
          "    # hvd-train: shell is the Popen that started pid, waited for through it below.\n",
          "horovodrun --gloo's rank runner (safe_shell_exec): the Popen of the rank's shell is passed to the code that "
          "ends it"),
@@ -219,8 +219,7 @@ def patches(cxx_standard):
          "    # hvd-train: wait through the shell's Popen, whose wait() the main thread is blocked in. psutil's wait\n"
          "    # reaped the shell itself when it ran first (a busy machine), and Popen.wait() then took the lost\n"
          "    # status for 0: an interrupted or killed rank counted as a success and horovodrun exited 0.\n"
-         "    try:\n        (shell.wait if shell is not None else p.wait)(timeout=GRACEFUL_TERMINATION_TIME_S)\n"
-         "    except (psutil.TimeoutExpired, subprocess.TimeoutExpired):\n",
+         "    try:\n        shell.wait(timeout=GRACEFUL_TERMINATION_TIME_S)\n    except subprocess.TimeoutExpired:\n",
          "the same: once a signal or a failed peer ended the ranks, two threads reaped each rank's shell; when "
          "psutil's won, the rank's exit status was lost as 0 and horovodrun --gloo could exit 0 after Ctrl-C"),
         ("horovod/runner/common/util/safe_shell_exec.py",

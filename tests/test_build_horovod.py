@@ -119,7 +119,7 @@ def test_patches_for_clusters_use_the_named_interface_and_survive_an_elastic_rei
     assert "['/bin/sh', '-c', 'exec ' + mpirun_command]" in (tmp_path / "horovod/runner/mpi_run.py").read_text()
     # horovodrun --gloo waits for each rank's shell in one place, so a rank's exit status is never lost as 0.
     runner = (tmp_path / "horovod/runner/common/util/safe_shell_exec.py").read_text()
-    assert "p.wait(" not in runner.replace("(shell.wait if shell is not None else p.wait)(", "")
+    assert "p.wait(" not in runner and "shell.wait(timeout=GRACEFUL_TERMINATION_TIME_S)" in runner
     assert runner.count("executor_shell.pid, executor_shell)") == 2
 
 
