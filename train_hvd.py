@@ -28,7 +28,7 @@ from hvd_train.config import parse_config
 from hvd_train import doctor, interrupt
 from hvd_train.errors import CheckpointError, ConfigError, NonFiniteLossError, say
 from hvd_train.modes import benchmark, elastic, evaluate, fixed
-from hvd_train.run_dir import check_writable
+from hvd_train.run_dir import check_writable, keep_private
 
 log = logging.getLogger("hvd_train")
 
@@ -42,6 +42,7 @@ def main(argv=None, cfg=None):
     """One run of the app: the settings of `argv` (the command line by default), or a Config already made."""
     # `kill -USR1 <pid>` prints every thread's Python stack to stderr: where a rank that seems stuck is waiting.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    keep_private()  # files this run writes: owner and group only (hvd_train/run_dir.py)
     cfg = cfg or parse_config(argv)
     check_choices(cfg)
     if cfg.profile.enabled:  # before hvd.init(): Horovod's timeline can then be switched on for the profiled steps
@@ -75,6 +76,7 @@ def main(argv=None, cfg=None):
 
 
 def cli():
+    keep_private()
     if sys.argv[1:2] == ["doctor"]:  # hvd-train doctor -H ...: check the hosts of a job before it runs
         sys.exit(doctor.main(sys.argv[2:]))
     if sys.argv[1:2] == ["shard"]:  # hvd-train shard --from ... --out ...: write a data set as tar shards

@@ -31,7 +31,8 @@ class Cifar:
     binary: Layout
     label_key: str        # the python version's label list
     label_bytes: int      # labels before the pixels in a binary record; the last one is the class
-    url: str              # the binary version, which --download fetches
+    url: str              # the python version, which --download fetches (torchvision's URL and checksum)
+    md5: str
     mean: tuple
     std: tuple
 
@@ -41,12 +42,14 @@ CIFAR10 = Cifar("CIFAR-10", 10,
                 Layout("cifar-10-batches-py", BATCHES + ("test_batch",), "python version, torchvision's download"),
                 Layout("cifar-10-batches-bin", tuple(f"{b}.bin" for b in BATCHES + ("test_batch",)),
                        "binary version"),
-                "labels", 1, "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz",
+                "labels", 1, "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+                "c58f30108f718f92721af3b95e74349a",
                 (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 CIFAR100 = Cifar("CIFAR-100", 100,
                  Layout("cifar-100-python", ("train", "test"), "python version, torchvision's download"),
                  Layout("cifar-100-binary", ("train.bin", "test.bin"), "binary version"),
-                 "fine_labels", 2, "https://www.cs.toronto.edu/~kriz/cifar-100-binary.tar.gz",
+                 "fine_labels", 2, "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+                 "eb9058c3a382ffc7106e4002c42a8d85",
                  (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
 
 
@@ -67,7 +70,15 @@ def read_python_batch(path, spec):
         with open(path, "rb") as f:
             batch = ArraysOnly(f, encoding="latin1").load()  # latin1: the files were pickled by Python 2
         batch = {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
-        data, labels = np.asarray(batch["data"], dtype=np.uint8), np.asarray(batch[spec.label_key], dtype=np.int64)
+        data, labels = batch["data"], batch[spec.label_key]
+        # Checked before any conversion: a pickle of shared references (a list holding one list a million times)
+        # is small on disk and enormous once copied into an array.
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
+            raise TypeError(f"'data' is a {type(data).__name__}, not an array of bytes")
+        if not isinstance(labels, list) or len(labels) != len(data) or \
+                not all(type(v) is int for v in labels):
+            raise TypeError(f"{spec.label_key!r} is not a list of {len(data)} whole numbers")
+        labels = np.asarray(labels, dtype=np.int64)
     except (pickle.UnpicklingError, EOFError, KeyError, AttributeError, TypeError, ValueError) as e:
         raise DataError(f"{path}: not a {spec.title} python-version batch ({type(e).__name__}: {e}); the file is "
                         f"truncated or from another data set") from None
@@ -107,10 +118,10 @@ def load(spec, data_dir, image_size=0):
 
 
 def how_to_get(spec, data_dir):
-    return (f"Run once with --download (needs internet), or extract {os.path.basename(spec.url)} or torchvision's "
-            f"python version into {data_dir}")
+    return (f"Run once with --download (needs internet), or extract {os.path.basename(spec.url)} (the python "
+            f"version, torchvision's) or the binary version into {data_dir}")
 
 
 def download(spec, data_dir):
-    by_hand = f"download it elsewhere and extract it into {data_dir} (it makes {spec.binary.folder}/)"
-    fetch(spec.title, [spec.url], data_dir, by_hand)
+    by_hand = f"download it elsewhere and extract it into {data_dir} (it makes {spec.python.folder}/)"
+    fetch(spec.title, [spec.url], data_dir, by_hand, spec.md5)

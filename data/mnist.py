@@ -24,11 +24,15 @@ FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3
 class Idx:
     title: str
     folder: str       # torchvision's folder under --data-dir
-    mirrors_of: str   # the torchvision class whose mirror list --download uses
+    mirrors_of: str   # the torchvision class whose files and checksums --download uses (and HTTPS mirrors)
+    mirrors: tuple = ()  # HTTPS mirrors where torchvision lists only plain-HTTP ones
 
 
 MNIST = Idx("MNIST", "MNIST", "MNIST")
-FASHION_MNIST = Idx("Fashion-MNIST", "FashionMNIST", "FashionMNIST")
+# torchvision's only Fashion-MNIST mirror is an http:// S3 website; the same bucket over HTTPS, and the authors' repo.
+FASHION_MNIST = Idx("Fashion-MNIST", "FashionMNIST", "FashionMNIST",
+                    ("https://fashion-mnist.s3.eu-central-1.amazonaws.com/",
+                     "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/"))
 
 
 def layouts(spec):
@@ -36,21 +40,33 @@ def layouts(spec):
             Layout("", FILES, "the files as published", gzip_ok=True))
 
 
+MAX_BYTES = 2**31  # the largest IDX payload read (MNIST's training images are 47 MB)
+
+
 def read_idx(path, dims):
-    """The uint8 array in an IDX file with `dims` dimensions (.gz read as gzip)."""
+    """The uint8 array in an IDX file with `dims` dimensions (.gz read as gzip). The header is read and checked
+    first, and then exactly the bytes it announces: a small .gz that would unpack to gigabytes is refused."""
     opener = gzip.open if path.endswith(".gz") else open
+    header = 4 + 4 * dims
     try:
         with opener(path, "rb") as f:
-            raw = f.read()
+            head = f.read(header)
+            if len(head) < header or head[:2] != b"\0\0" or head[2] != 0x08 or head[3] != dims:
+                raise DataError(f"{path}: not a uint8 IDX file with {dims} dimension(s); expected one of "
+                                f"{', '.join(FILES)}")
+            shape = tuple(int.from_bytes(head[4 + 4 * i:8 + 4 * i], "big") for i in range(dims))
+            size = int(np.prod(shape, dtype=np.int64))
+            if size > MAX_BYTES:
+                raise DataError(f"{path}: its header announces shape {shape} ({size} bytes), more than an IDX data "
+                                f"set holds ({MAX_BYTES} at most); the file is not MNIST's")
+            raw = f.read(size + 1)
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a cut .gz ends in EOFError
         raise DataError(f"{path}: cannot read it ({e}); the file is damaged, download it again") from None
-    header = 4 + 4 * dims
-    if len(raw) < header or raw[:2] != b"\0\0" or raw[2] != 0x08 or raw[3] != dims:
-        raise DataError(f"{path}: not a uint8 IDX file with {dims} dimension(s); expected one of {', '.join(FILES)}")
-    shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(dims))
-    if len(raw) - header != int(np.prod(shape)):
-        raise DataError(f"{path}: holds {len(raw) - header} bytes of data for shape {shape}; the file is truncated")
-    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+    if len(raw) != size:
+        state = "truncated" if len(raw) < size else "longer than its header says"
+        raise DataError(f"{path}: holds {'more than ' if len(raw) > size else ''}{min(len(raw), size)} bytes of data "
+                        f"for shape {shape}; the file is {state}")
+    return np.frombuffer(raw, dtype=np.uint8).reshape(shape)
 
 
 def load(spec, data_dir, image_size=0):
@@ -69,11 +85,13 @@ def load(spec, data_dir, image_size=0):
 
 
 def download(spec, data_dir):
+    """The four .gz files, each checked against the checksum torchvision publishes, from HTTPS mirrors only."""
     from torchvision import datasets
 
     source = getattr(datasets, spec.mirrors_of)
     raw = os.path.join(data_dir, spec.folder, "raw")
+    mirrors = spec.mirrors or tuple(m for m in source.mirrors if m.startswith("https://"))
     for filename, md5 in source.resources:
-        fetch(spec.title, [mirror + filename for mirror in source.mirrors], raw,
-              f"download the four .gz files from {source.mirrors[0]} elsewhere and put them in {raw}",
-              filename=filename, md5=md5)
+        fetch(spec.title, [mirror + filename for mirror in mirrors], raw,
+              f"download the four .gz files from {mirrors[0]} elsewhere and put them in {raw}", md5,
+              filename=filename, extract=False)

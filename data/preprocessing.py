@@ -26,6 +26,9 @@ CLASS_NAMES = {
 }
 
 
+MAX_SIDE = 8192  # the largest image side a preprocessing record read from a file may ask for
+
+
 @dataclass(frozen=True)
 class Preprocessing:
     channels: int        # 1: the image is converted to grey ("L"); 3: to RGB
@@ -42,8 +45,15 @@ class Preprocessing:
         if not isinstance(d, dict) or d.get("resize", "stretch") not in RESIZES:
             raise ValueError(f"not a preprocessing record: {d!r}; expected channels, image_size, mean, std and "
                              f"resize (one of {', '.join(RESIZES)})")
-        return cls(int(d["channels"]), int(d["image_size"]), tuple(map(float, d["mean"])),
+        made = cls(int(d["channels"]), int(d["image_size"]), tuple(map(float, d["mean"])),
                    tuple(map(float, d["std"])), d.get("resize", "stretch"))
+        # Read from a file: every image is resized to image_size, so it is bounded like any image side.
+        if made.channels not in (1, 3) or not 1 <= made.image_size <= MAX_SIDE or \
+                len(made.mean) != made.channels or len(made.std) != made.channels:
+            raise ValueError(f"not a preprocessing record: channels {made.channels} (1 or 3), image_size "
+                             f"{made.image_size} (1 to {MAX_SIDE}), {len(made.mean)} means and {len(made.std)} "
+                             f"stds (one per channel)")
+        return made
 
     def transform(self):
         """PIL image -> float tensor (channels, image_size, image_size), as validation prepared its samples."""

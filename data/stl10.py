@@ -11,7 +11,8 @@ from data.download import fetch
 from data.errors import DataError
 from data.layouts import Layout, locate
 
-URL = "http://ai.stanford.edu/~acoates/stl10/stl10_binary.tar.gz"
+URL = "https://ai.stanford.edu/~acoates/stl10/stl10_binary.tar.gz"
+MD5 = "91f7769df0f17e558f3565bffb0c7dfb"  # the checksum torchvision publishes for it
 FOLDER = "stl10_binary"
 SIDE = 96
 LAYOUT = Layout(FOLDER, ("train_X.bin", "train_y.bin", "test_X.bin", "test_y.bin"), "binary version")
@@ -19,7 +20,8 @@ MEAN, STD = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
 
 
 def download(data_dir):
-    fetch("STL-10", [URL], data_dir, f"download it elsewhere and extract it into {data_dir} (it makes {FOLDER}/)")
+    fetch("STL-10", [URL], data_dir, f"download it elsewhere and extract it into {data_dir} (it makes {FOLDER}/)",
+          MD5)
 
 
 def read_split(paths, split):

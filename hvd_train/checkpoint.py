@@ -17,7 +17,7 @@ import zipfile
 import torch
 
 from hvd_train.errors import CheckpointError
-from hvd_train.run_dir import atomic_write, reported_write
+from hvd_train.run_dir import atomic_write, reported_write, temporary_beside
 
 VERSION = 1
 # The setting behind each field a checkpoint must share with the run that loads it (run_state.checkpoint_fits).
@@ -48,18 +48,29 @@ def atomic_save(obj, path):
 
 def _link_or_copy(src, dst):
     """dst becomes the same content as src, atomically (a hard link costs no space; copy where links fail)."""
-    tmp = f"{dst}.tmp.{os.getpid()}"
+    fd, tmp = temporary_beside(dst)
+    os.close(fd)
+    os.remove(tmp)  # only the unpredictable name is wanted: link() refuses a name that exists, even a planted link
     try:
         os.link(src, tmp)
+        os.replace(tmp, dst)
     except OSError:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+        with open(src, "rb") as source:
+            atomic_write(dst, lambda f: shutil.copyfileobj(source, f), binary=True)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+EPOCH_FILE = re.compile(r"epoch_(\d+)\.pt")
 
 
 def epoch_files(directory):
-    """Per-epoch checkpoints in `directory`, oldest first."""
-    files = glob.glob(os.path.join(directory, "epoch_*.pt"))
-    return sorted(files, key=lambda p: int(re.search(r"epoch_(\d+)\.pt$", p).group(1)))
+    """Per-epoch checkpoints in `directory`, oldest first (any other file there, say epoch_best.pt, is left be)."""
+    if not os.path.isdir(directory):
+        return []
+    numbered = [(int(m.group(1)), name) for name in os.listdir(directory) if (m := EPOCH_FILE.fullmatch(name))]
+    return [os.path.join(directory, name) for _, name in sorted(numbered)]
 
 
 class Checkpointer:

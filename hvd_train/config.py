@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 
 from hvd_train.errors import ConfigError
+from hvd_train.trust import TRUST_FLAG, refuse_code_from
+from hvd_train.uris import redact, redact_all
 
 LR_SCHEDULES = ("constant", "cosine", "step", "exponential")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -337,7 +339,13 @@ class Config:
             self.run.output_dir = "runs/benchmark"  # beside a training run's default directory, not over it
 
     def to_dict(self):
-        return dataclasses.asdict(self)
+        """The settings as they are stored and shown (config.json, checkpoints, summaries, trackers): URIs without
+        their credentials (hvd_train/uris.py), which stay in this process alone."""
+        d = dataclasses.asdict(self)
+        d["logging"]["mlflow_uri"] = redact(d["logging"]["mlflow_uri"])
+        for name in ("train_shards", "val_shards", "shard_index"):
+            d["data"][name] = redact_all(d["data"][name])
+        return d
 
     def to_json(self):
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -464,6 +472,10 @@ def build_parser():
         epilog="More commands of the installed hvd-train: doctor (check a job's hosts), shard (write tar shards), "
                "export (safetensors, TorchScript, ONNX), predict (classes of image files); hvd-train COMMAND --help.")
     parser.add_argument("--config", metavar="YAML", help="recipe with one mapping per section (see configs/)")
+    parser.add_argument(TRUST_FLAG, action="store_true", dest="trust_code",
+                        help="let the recipe name code: import paths (package.module:name) and pipe: shard commands; "
+                             "without it a recipe is data and such values must be given as flags (README: What is "
+                             "code and what is data)")
     alias_of = {dest: flag for flag, dest in ALIASES.items()}
     groups = {}
     for section, _, f in _fields():
@@ -605,10 +617,12 @@ def parse_config(argv=None):
     """Defaults < YAML recipe < command line; raises ConfigError (with the field named) on an invalid value."""
     args = vars(build_parser().parse_args(argv))
     values = load_recipe(args["config"]) if args.get("config") else {}
-    for section, _, f in _fields():
-        key = f"{section}.{f.name}"
-        if key in args:
-            values.setdefault(section, {})[f.name] = args[key]
+    given = {f"{section}.{f.name}": args[f"{section}.{f.name}"] for section, _, f in _fields()
+             if f"{section}.{f.name}" in args}
+    refuse_code_from(values, f"--config {args.get('config')}", args.get("trust_code"), given)
+    for key, value in given.items():
+        section, name = key.split(".")
+        values.setdefault(section, {})[name] = value
     if args.get("config") and "name" not in values.get("run", {}):
         values.setdefault("run", {})["name"] = os.path.splitext(os.path.basename(args["config"]))[0]
     built = {s.name: s.type(**values.get(s.name, {})) for s in dataclasses.fields(Config)}

@@ -23,12 +23,12 @@ import torch
 from data import DataError
 from hvd_train.config import config_from_dict
 from hvd_train.errors import CheckpointError, ConfigError, say
-from hvd_train.inference import SIDECAR, export_runner, find_checkpoint, load_trained, outputs
-from hvd_train.run_dir import write_json
+from hvd_train.inference import FORMATS, SIDECAR, export_runner, find_checkpoint, load_trained, outputs
+from hvd_train.run_dir import temporary_beside, write_json
+from hvd_train.trust import TRUST_FLAG, refuse_code_from
 
 # Suffix of each format's file, and its tolerance (absolute, relative): safetensors holds the weights themselves, so
 # the rebuilt model must agree exactly; TorchScript runs the same kernels; onnxruntime has kernels of its own.
-FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "onnx": ".onnx"}
 TOLERANCE = {"safetensors": (0.0, 0.0), "torchscript": (1e-5, 1e-5), "onnx": (1e-4, 1e-3)}
 
 
@@ -46,6 +46,9 @@ def parse_args(argv):
     p.add_argument("--data-dir", default="", help="where the validation data is, if not where the run read it")
     p.add_argument("--samples", type=int, default=16, help="validation samples the parity check runs (default 16)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export at --out")
+    p.add_argument(TRUST_FLAG, action="store_true", dest="trust_code",
+                   help="let the checkpoint name code: your own model, task or data set as an import path, or a "
+                   "pipe: shard command (a checkpoint is data otherwise; README: What is code and what is data)")
     args = p.parse_args(argv)
     if args.samples < 2:
         p.error(f"--samples {args.samples}: the check needs at least 2 samples (the batch axis stays free)")
@@ -64,9 +67,17 @@ class Batch:
     described: str  # where the samples come from, for the printed check
 
 
-def validation_batch(ckpt, card, count, data_dir):
-    """The first `count` validation samples of the run's data set, as the run's validation read them."""
-    cfg = config_from_dict(ckpt.get("config") or {})
+def validation_batch(ckpt, count, data_dir, where, trusted):
+    """The first `count` validation samples of the run's data set, as the run's validation read them. The data set
+    is rebuilt from the checkpoint's stored config, which names code only with --trust-code."""
+    stored = ckpt.get("config") or {}
+    if not isinstance(stored, dict) or not all(isinstance(v, dict) for v in stored.values()):
+        raise CheckpointError(f"{where}: its stored config is not one hvd-train wrote")
+    refuse_code_from(stored, f"{where} (its stored config)", trusted)
+    try:
+        cfg = config_from_dict(stored)
+    except (TypeError, ValueError) as e:  # a field no config has, or a value of the wrong kind
+        raise CheckpointError(f"{where}: its stored config is not one hvd-train wrote ({e})") from None
     data = replace(cfg.data, download=False, workers=0, data_dir=data_dir or cfg.data.data_dir)
     cfg = replace(cfg, data=data)
     try:
@@ -215,13 +226,14 @@ def parity(fmt, path, card, model, batch):
 
 def export(args):
     path = find_checkpoint(args.source)
-    model, card, ckpt = load_trained(path)
+    model, card, ckpt = load_trained(path, args.trust_code)
     out = args.out or default_out(path, args.format)
     if os.path.exists(out) and not args.overwrite:
         raise CheckpointError(f"--out {out}: exists; pass --overwrite to replace it, or another --out")
-    batch = validation_batch(ckpt, card, args.samples, args.data_dir)
+    batch = validation_batch(ckpt, args.samples, args.data_dir, path, args.trust_code)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = f"{out}.tmp.{os.getpid()}"
+    fd, tmp = temporary_beside(out)
+    os.close(fd)  # the writers below take a path
     try:
         if args.format == "safetensors":
             write_safetensors(model, tmp)

@@ -3,6 +3,7 @@ the CPU in eval mode, and run on a batch (hvd-train export and hvd-train predict
 import json
 import os
 import warnings
+import zipfile
 
 import torch
 
@@ -11,6 +12,9 @@ from hvd_train.errors import CheckpointError
 from hvd_train.model_card import ModelCard, card_of_checkpoint
 
 SIDECAR = ".json"  # model.onnx -> model.onnx.json: the card and the parity check, beside every export
+SIDECAR_MAX_BYTES = 16 * 2**20  # a card with a class list of a million names fits in far less
+# Suffix of each format's file (hvd-train export writes these; predict checks a file is what its .json says).
+FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "onnx": ".onnx"}
 
 
 def find_checkpoint(source):
@@ -27,13 +31,16 @@ def find_checkpoint(source):
     return source
 
 
-def load_trained(source):
+def load_trained(source, trusted=False):
     """(model on the CPU in eval mode with the weights of the checkpoint `source` names (a file, or a run
-    directory's best.pt), its ModelCard, the checkpoint)."""
+    directory's best.pt), its ModelCard, the checkpoint). trusted: --trust-code, which lets the card name code."""
     path = find_checkpoint(source)
     ckpt = checkpoint.load(path)
     card = card_of_checkpoint(ckpt, path)
-    model = card.build()
+    card.check_code(f"{path} (its model card)", trusted)
+    if not isinstance(ckpt.get("model"), dict) or not all(torch.is_tensor(v) for v in ckpt["model"].values()):
+        raise CheckpointError(f"{path}: holds no model weights by name; give a checkpoint hvd-train wrote")
+    model = card.build({k: v.shape for k, v in ckpt["model"].items()})
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
@@ -54,18 +61,49 @@ def outputs(result):
 
 
 def read_sidecar(path):
-    with open(path + SIDECAR) as f:
-        return json.load(f)
+    """The export's .json, read as data: a bounded size, one JSON object."""
+    where = path + SIDECAR
+    if os.path.getsize(where) > SIDECAR_MAX_BYTES:
+        raise CheckpointError(f"{where}: {os.path.getsize(where)} bytes, larger than any export's .json "
+                              f"({SIDECAR_MAX_BYTES} at most); it is not one hvd-train export wrote")
+    try:
+        with open(where) as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where}: not JSON ({e}); export the model again with hvd-train export") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where}: not an export's .json (a {type(meta).__name__}, not an object)")
+    return meta
 
 
-def load_runner(path):
+def file_format(path):
+    """The export format the file at `path` holds, from its first bytes (None: none of them)."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if zipfile.is_zipfile(path):
+        return "torchscript"
+    if len(head) >= 9 and int.from_bytes(head[:8], "little") < os.path.getsize(path) and head[8:9] == b"{":
+        return "safetensors"
+    if head[:1] == b"\x08":  # an ONNX ModelProto starts with its ir_version field (1, varint)
+        return "onnx"
+    return None
+
+
+def load_runner(path, trusted=False):
     """(a function batch -> list of output tensors, the ModelCard) for a checkpoint, a run directory or an export
-    (model.safetensors, model.torchscript.pt, model.onnx, each with its .json beside it)."""
+    (model.safetensors, model.torchscript.pt, model.onnx, each with its .json beside it). trusted: --trust-code."""
     if os.path.isfile(path) and os.path.isfile(path + SIDECAR):
         meta = read_sidecar(path)
         card = ModelCard.from_dict(meta, path + SIDECAR)
-        return export_runner(path, meta.get("format"), card), card
-    model, card, _ = load_trained(path)
+        card.check_code(f"{path + SIDECAR} (the export's model card)", trusted)
+        fmt, held = meta.get("format"), file_format(path)
+        if fmt not in FORMATS or held != fmt or not path.endswith(FORMATS[fmt]):
+            raise CheckpointError(f"{path + SIDECAR} says format {fmt!r}, but {path} holds "
+                                  f"{held or 'none of safetensors, torchscript, onnx'} and is named for "
+                                  f"{next((f for f, x in FORMATS.items() if path.endswith(x)), 'none of them')}; "
+                                  f"the .json does not belong to this file: export the model again")
+        return export_runner(path, fmt, card), card
+    model, card, _ = load_trained(path, trusted)
     return _eager(model), card
 
 
@@ -75,8 +113,9 @@ def export_runner(path, fmt, card):
     if fmt == "safetensors":
         from safetensors.torch import load_file
 
-        model = card.build()
-        model.load_state_dict(load_file(path))
+        weights = load_file(path)
+        model = card.build({k: v.shape for k, v in weights.items()})
+        model.load_state_dict(weights)
         return _eager(model)
     if fmt == "torchscript":
         with warnings.catch_warnings():

@@ -10,10 +10,13 @@ and written beside every export as JSON.
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+import torch
+
 import models
 from data.preprocessing import CLASS_NAMES, Preprocessing, of_builtin
-from hvd_train.errors import CheckpointError
+from hvd_train.errors import CheckpointError, ConfigError
 from hvd_train.plugins import call, resolve
+from hvd_train.trust import refuse_code_from
 
 
 @dataclass
@@ -31,14 +34,44 @@ class ModelCard:
     @classmethod
     def from_dict(cls, d, where):
         try:
-            return cls(**{k: d[k] for k in ("model", "model_args", "facts", "task", "classes", "preprocessing")})
+            card = cls(**{k: d[k] for k in ("model", "model_args", "facts", "task", "classes", "preprocessing")})
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{where}: not a model card hvd-train wrote (missing {e}); export the checkpoint "
                                   f"again with hvd-train export") from None
+        kinds = {"model": str, "model_args": dict, "facts": dict, "task": str, "classes": (list, type(None)),
+                 "preprocessing": (dict, type(None))}
+        wrong = [k for k, kind in kinds.items() if not isinstance(getattr(card, k), kind)]
+        if wrong:
+            raise CheckpointError(f"{where}: not a model card hvd-train wrote ({wrong[0]} is a "
+                                  f"{type(getattr(card, wrong[0])).__name__})")
+        return card
 
-    def build(self):
-        """The model, freshly initialised on the CPU in eval mode (load its weights next)."""
+    def check_code(self, where, trusted):
+        """Refuse a card that names code (an import path for the model or task, file-reading model arguments)
+        unless the user passed --trust-code: a card is read from a file that may come from anyone."""
+        refuse_code_from({"model": {"name": self.model, "task": self.task, "args": self.model_args}}, where,
+                         trusted)
+
+    def build(self, shapes):
+        """The model, freshly initialised on the CPU in eval mode (load its weights next). `shapes`: {name: shape}
+        of the weights the file holds; the model is built on the meta device first and must have exactly those, so
+        a card cannot make it allocate more than its file holds."""
         factory = resolve(self.model, models.find_model, "the model", models.CHOICES)
+        try:
+            with torch.device("meta"):
+                planned = call(factory, self.facts, self.model_args, "the model's arguments", self.model)
+        except ConfigError:
+            raise
+        except Exception:  # a factory that cannot build without real tensors: its weights are checked on loading
+            planned = None
+        if planned is not None:
+            wanted = {k: tuple(v.shape) for k, v in planned.state_dict().items()}
+            if wanted != {k: tuple(v) for k, v in shapes.items()}:
+                extra = sorted(set(wanted) ^ set(shapes)) or [k for k in wanted if wanted[k] != tuple(shapes[k])]
+                arguments = self.model_args or "no arguments"
+                raise CheckpointError(f"the model its card describes ({self.model} with {arguments}) does not have "
+                                      f"the weights the file holds (first difference: {extra[0]}); the card does not "
+                                      f"belong to these weights")
         model = call(factory, self.facts, self.model_args, "the model's arguments", self.model)
         return model.eval()
 
@@ -48,7 +81,10 @@ class ModelCard:
             raise CheckpointError(f"the model {self.model} was trained on data that records no image preprocessing "
                                   f"(synthetic data, or your own data set without a 'preprocessing' fact), so image "
                                   f"files cannot be fed to it; README: Using the trained model")
-        return Preprocessing.from_dict(self.preprocessing)
+        try:
+            return Preprocessing.from_dict(self.preprocessing)
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"the model card's preprocessing cannot be used: {e}") from None
 
     def class_name(self, index):
         return self.classes[index] if self.classes and index < len(self.classes) else str(index)

@@ -16,6 +16,7 @@ import torch
 from data.imagefolder import is_image_file
 from hvd_train.errors import CheckpointError, ConfigError, say
 from hvd_train.inference import load_runner
+from hvd_train.trust import TRUST_FLAG
 
 BATCH = 64
 
@@ -33,6 +34,9 @@ def parse_args(argv):
     p.add_argument("images", nargs="+", help="image files, or folders whose image files (recursively) are read")
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.add_argument(TRUST_FLAG, action="store_true", dest="trust_code",
+                   help="let the checkpoint or export name code (your own model as an import path); a model file "
+                   "is data otherwise (README: What is code and what is data)")
     args = p.parse_args(argv)
     if args.top_k < 1:
         p.error(f"--top-k {args.top_k}: must be 1 or more")
@@ -67,7 +71,7 @@ def load_images(files, preprocessing):
 
 
 def predict(args):
-    run, card = load_runner(args.model)
+    run, card = load_runner(args.model, args.trust_code)
     if card.task != "classification":
         raise InputError(f"{args.model}: a {card.task} model; predict gives the classes of a classifier")
     preprocessing = card.prepare()

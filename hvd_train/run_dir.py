@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import shutil
+import tempfile
 
 from hvd_train.errors import CheckpointError
 from hvd_train.run_lock import RunLock
@@ -160,12 +161,32 @@ def missing_parents(path):
     return missing
 
 
+PRIVATE = 0o027  # no write for the group, nothing for others: run files 0640, directories 0750
+
+
+def keep_private():
+    """Make every file this process creates from now on readable by its owner and group only (0640, directories
+    0750): run files, checkpoints, TensorBoard events and tracker stores hold a model and settings that are not
+    the whole cluster's business. A stricter umask the user has stays."""
+    os.umask(os.umask(0) | PRIVATE)
+
+
+def temporary_beside(path):
+    """(open file descriptor, name) of a new file beside `path` with an unpredictable name, created exclusively
+    (never through a link someone planted), with the mode the umask gives new files."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=os.path.basename(path) + ".tmp.")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    return fd, tmp
+
+
 def atomic_write(path, write, binary=False, sync=False):
     """write(file) into a temporary file beside `path`, then rename it over `path`. sync: flush to disk first
     (checkpoints, which must survive a crash of the machine too)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    fd, tmp = temporary_beside(path)
     try:
-        with open(tmp, "wb" if binary else "w") as f:
+        with os.fdopen(fd, "wb" if binary else "w") as f:
             write(f)
             f.flush()
             if sync:

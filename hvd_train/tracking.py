@@ -19,6 +19,8 @@ import shutil
 import time
 from importlib import metadata
 
+from hvd_train.uris import redact, split_credentials
+
 log = logging.getLogger("hvd_train")
 
 # MLflow's client retries a failed request 7 times with exponential backoff (minutes): a server that is down
@@ -102,6 +104,19 @@ class Tracker:
         return False
 
 
+def with_credentials_in_env(uri):
+    """The tracking URI without its user info, which moves to MLflow's own environment variables (a user and
+    password to MLFLOW_TRACKING_USERNAME/PASSWORD, a lone token to MLFLOW_TRACKING_TOKEN; ones already set win), so
+    the client authenticates while nothing the run stores or prints holds the secret."""
+    clean, user, password = split_credentials(uri)
+    if user and password:
+        os.environ.setdefault("MLFLOW_TRACKING_USERNAME", user)
+        os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", password)
+    elif user:
+        os.environ.setdefault("MLFLOW_TRACKING_TOKEN", user)
+    return clean
+
+
 class MlflowTracker(Tracker):
     name = "mlflow"
 
@@ -109,8 +124,8 @@ class MlflowTracker(Tracker):
         super().__init__(run_id)
         for key, value in MLFLOW_CLIENT_SETTINGS.items():
             os.environ.setdefault(key, value)
-        self.uri = cfg.logging.mlflow_uri or local_uri(cfg.run.output_dir)
-        self.where = f"MLflow ({self.uri})"
+        self.uri = with_credentials_in_env(cfg.logging.mlflow_uri) or local_uri(cfg.run.output_dir)
+        self.where = f"MLflow ({redact(self.uri)})"
         self._call("the run's start", lambda: self.start(cfg, rt))
 
     def start(self, cfg, rt):
@@ -140,7 +155,7 @@ class MlflowTracker(Tracker):
         for i in range(0, len(params), PARAMS_PER_CALL):
             self.client.log_batch(self.run_id, params=params[i:i + PARAMS_PER_CALL])
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
-        log.info("MLflow: run %s in %s", self.run_id, self.uri)
+        log.info("MLflow: run %s in %s", self.run_id, redact(self.uri))
 
     def send(self, records):
         from mlflow.entities import Metric

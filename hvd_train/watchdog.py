@@ -5,18 +5,28 @@ ends it.
 Why outside Horovod: a rank that stops (SIGSTOP, a stuck read, a GPU hang) blocks every collective, and with them
 Horovod's own stall inspector, which runs in the coordinator's negotiation loop: under MPI the healthy ranks wait
 silently forever, under Gloo they time out blaming themselves. Heartbeats are UDP datagrams, sent to every address
-each peer has (loopback only between processes that share one), so no interface needs naming and a misdelivered
-one is harmless: it carries the job's token and the sender's rank, nothing else.
+each peer has (loopback only between processes that share one), so no interface needs naming.
 
 Progress is counted at points every rank passes the same number of times (a training batch in hand, its backward
 done, validation done), so a rank that is behind the others is the one they are waiting for; a rank whose
 heartbeats stopped is stopped or cut off. This process's own activity (tick or busy) restarts its clock.
+
+Heartbeats are authenticated, as the port is open to the network: each carries the sender's rank, its progress and a
+sequence number, with an HMAC-SHA256 over them under a key rank 0 makes and hands out through Horovod's own
+channel at start (it never crosses the UDP wire). A datagram from an address no peer of that rank has, of another
+size, with a bad MAC, or with a sequence number already seen is ignored and counted; nothing in a datagram can stop
+the thread or change a verdict. Between processes of one machine the socket binds loopback alone; across hosts it
+binds the interface Horovod uses (HOROVOD_GLOO_IFACE, set by horovodrun) where that is known, and every interface
+otherwise, still taking beats only from the peers' own addresses (an address two hosts share, docker0's, is none).
 """
+import collections
 import faulthandler
-import json
+import hashlib
+import hmac
 import os
 import secrets
 import socket
+import struct
 import sys
 import threading
 import time
@@ -28,6 +38,8 @@ import hvd_utils
 from hvd_train.errors import say
 
 EXIT_CODE = 4  # a rank froze: the job was ended by the watchdog
+BEAT = struct.Struct("!IQQ")  # rank, progress, sequence number; then the MAC
+MAC_BYTES = 16  # HMAC-SHA256, truncated: forging one takes 2**128 tries
 _active = None  # the process's watchdog, if one runs: the engine's tick()/busy() reach it without being passed it
 
 
@@ -39,7 +51,7 @@ class Member:
     machine: str      # boot id and network namespace: processes with the same one share a loopback interface
     addresses: tuple  # its IPv4 addresses
     port: int
-    token: str        # rank 0's is the job's
+    key: bytes        # rank 0's is the job's MAC key; gathered through Horovod, never sent in a heartbeat
 
 
 @dataclass
@@ -47,6 +59,7 @@ class Peer:
     member: Member
     progress: int = -1        # its last reported count of progress points (-1: never heard from)
     heard: float = 0.0        # time.monotonic() of its last heartbeat
+    sequence: int = -1        # the highest sequence number taken from it: an older or repeated one is a replay
 
 
 def tick():
@@ -71,8 +84,16 @@ def machine_id():
         return socket.gethostname()
 
 
-def ipv4_addresses():
-    return tuple(a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET)
+def ipv4_addresses(interface=""):
+    """This host's IPv4 addresses (those of `interface` alone where one is named and has any)."""
+    found = {name: tuple(a.address for a in addrs if a.family == socket.AF_INET)
+             for name, addrs in psutil.net_if_addrs().items()}
+    return found.get(interface) or tuple(a for addrs in found.values() for a in addrs)
+
+
+def job_interface():
+    """The network interface Horovod's ranks talk over, where the launcher named one (horovodrun sets it)."""
+    return (os.environ.get("HOROVOD_GLOO_IFACE") or "").split(",")[0].strip()
 
 
 def start(rt, timeout_s, resume_hint):
@@ -81,10 +102,17 @@ def start(rt, timeout_s, resume_hint):
     global _active
     if timeout_s <= 0 or rt.size == 1:
         return None
+    # Where the ranks are decides the address to bind: loopback when they share this machine's network.
+    machines = hvd_utils.gather_objects(machine_id(), name="watchdog.machines")
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("0.0.0.0", 0))
+    interface = job_interface()
+    addresses = ipv4_addresses(interface)
+    if len(set(machines)) == 1:
+        sock.bind(("127.0.0.1", 0))
+    else:
+        sock.bind((addresses[0] if interface and len(addresses) == 1 else "0.0.0.0", 0))
     host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
-    me = Member(rt.rank, host, machine_id(), ipv4_addresses(), sock.getsockname()[1], secrets.token_hex(8))
+    me = Member(rt.rank, host, machine_id(), addresses, sock.getsockname()[1], secrets.token_bytes(32))
     members = hvd_utils.gather_objects(me, name="watchdog")
     _active = Watchdog(me, members, sock, timeout_s, resume_hint)
     _active.thread.start()
@@ -92,27 +120,41 @@ def start(rt, timeout_s, resume_hint):
 
 
 def stop():
+    """Stop this rank's watchdog; a rank whose port received datagrams it had to ignore says how many, and why."""
     global _active
     if _active is not None:
         _active.stopped.set()
+        if _active.ignored:
+            why = ", ".join(f"{n} {reason}" for reason, n in sorted(_active.ignored.items()))
+            say(f"train_hvd.py: warning: rank {_active.me.rank}'s watchdog ignored {sum(_active.ignored.values())} "
+                f"datagram(s) on UDP port {_active.me.port} that were not its peers' heartbeats ({why}); something "
+                f"else on the network sends to that port")
         _active = None
 
 
 class Watchdog:
     def __init__(self, me, members, sock, timeout_s, resume_hint):
         self.me, self.sock, self.timeout_s, self.resume_hint = me, sock, timeout_s, resume_hint
-        self.token = members[0].token
+        self.key = members[0].key
+        # An address that members on two machines both have (docker0's 172.17.0.1) identifies neither.
+        owners = collections.defaultdict(set)
+        for m in members:
+            for a in m.addresses:
+                owners[a].add(m.machine)
+        self.shared = {a for a, machines in owners.items() if len(machines) > 1}
         self.peers = {m.rank: Peer(m) for m in members if m.rank != me.rank}
+        self.sources = {m.rank: set(self.reach(m)) for m in members if m.rank != me.rank}
         self.targets = [(a, m.port) for m in members if m.rank != me.rank for a in self.reach(m)]
         self.interval = min(1.0, timeout_s / 10)
-        self.progress, self.last_activity = 0, time.monotonic()
+        self.progress, self.last_activity, self.sequence = 0, time.monotonic(), 0
+        self.ignored = collections.Counter()  # datagrams refused, by reason
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.run, name="hvd-train-watchdog", daemon=True)
 
     def reach(self, member):
         if member.machine == self.me.machine:
             return ["127.0.0.1"]
-        return [a for a in member.addresses if not a.startswith("127.")]
+        return [a for a in member.addresses if not a.startswith("127.") and a not in self.shared]
 
     def run(self):
         self.sock.settimeout(self.interval)
@@ -125,26 +167,45 @@ class Watchdog:
                 if now - self.last_activity > self.timeout_s:
                     self.verdict(now)
             try:
-                self.receive(*self.sock.recvfrom(512))
-            except (socket.timeout, OSError):
-                pass
+                data, sender = self.sock.recvfrom(512)
+            except OSError:  # the interval passed with nothing received (socket.timeout is an OSError)
+                continue
+            try:
+                self.receive(data, sender)
+            except Exception:  # a datagram must never stop this thread, whatever it holds
+                self.ignored["malformed"] += 1
+
+    def mac(self, body):
+        return hmac.new(self.key, body, hashlib.sha256).digest()[:MAC_BYTES]
 
     def beat(self):
-        message = json.dumps({"t": self.token, "r": self.me.rank, "p": self.progress}).encode()
+        self.sequence += 1
+        body = BEAT.pack(self.me.rank, self.progress, self.sequence)
+        message = body + self.mac(body)
         for target in self.targets:
             try:
                 self.sock.sendto(message, target)
             except OSError:  # an address that does not route from here: another one of that peer's will
                 pass
 
-    def receive(self, data, _sender):
-        try:
-            beat = json.loads(data)
-            peer = self.peers[beat["r"]] if beat["t"] == self.token else None
-        except (ValueError, KeyError, TypeError):
+    def receive(self, data, sender):
+        """Take a peer's heartbeat, or count why this datagram is not one."""
+        if len(data) != BEAT.size + MAC_BYTES:
+            self.ignored["of another size"] += 1
             return
-        if peer is not None:
-            peer.progress, peer.heard = int(beat["p"]), time.monotonic()
+        body, mac = data[:BEAT.size], data[BEAT.size:]
+        if not hmac.compare_digest(mac, self.mac(body)):
+            self.ignored["with a bad MAC"] += 1
+            return
+        rank, progress, sequence = BEAT.unpack(body)
+        peer = self.peers.get(rank)
+        if peer is None or sender[0] not in self.sources[rank]:
+            self.ignored["from an address that is not the rank's"] += 1
+            return
+        if sequence <= peer.sequence:
+            self.ignored["replayed"] += 1
+            return
+        peer.sequence, peer.progress, peer.heard = sequence, progress, time.monotonic()
 
     def verdict(self, now):
         """This rank has made no progress for the timeout: blame whoever holds the job up, and end it."""
