@@ -1,5 +1,11 @@
 import re
 
+from PIL import Image
+
+# How Pillow says a file is not an image it will decode: a broken file (OSError, SyntaxError, ValueError), or one
+# whose pixel count is over Pillow's limit (Image.MAX_IMAGE_PIXELS, about 179 million: a "decompression bomb").
+UNREADABLE_IMAGE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+
 
 class DataError(ValueError):
     """A data set is missing or unusable; the message says where it was looked for and how to fix it."""

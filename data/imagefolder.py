@@ -9,7 +9,7 @@ import os
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
-from data.errors import BadSampleError, DataError
+from data.errors import UNREADABLE_IMAGE, BadSampleError, DataError
 from data.layouts import contents
 
 log = logging.getLogger("hvd_train")
@@ -34,7 +34,7 @@ def read_image(path):
     try:
         with open(path, "rb") as f, Image.open(f) as image:
             return image.convert("RGB")
-    except (OSError, SyntaxError, ValueError) as e:  # PIL signals broken files with all three
+    except UNREADABLE_IMAGE as e:  # a broken file, or one over Pillow's pixel limit
         raise BadSampleError(f"{path}: cannot read this image ({e}); fix or remove the file, or pass "
                              f"--data.skip_bad_files to leave out every file that does not decode") from None
 

@@ -28,9 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data.errors import BadSampleError, DataError
+from data.errors import UNREADABLE_IMAGE, BadSampleError, DataError
 
 INDEX = "index.json"
+INDEX_MAX_BYTES = 64 * 2**20  # read from a file or a server: bounded before it is parsed
+MAX_SHARD_SAMPLES = 10**8  # samples one shard may claim (a tar of 100 million images is far past any writer's)
+FACT_BOUNDS = {"num_classes": 10**6, "in_channels": 64, "image_size": 8192}  # they size the model and the images
 FORMAT = "hvd-train shards"
 IMAGE_KEYS = ("png", "jpg", "jpeg", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
 
@@ -74,12 +77,28 @@ def read_index(location):
 
     try:
         with gopen(location) as f:
-            index = json.loads(f.read())
+            text = f.read(INDEX_MAX_BYTES + 1)
+        if len(text) > INDEX_MAX_BYTES:
+            raise DataError(f"shard index {location}: larger than {INDEX_MAX_BYTES // 2**20} MB, far more than an "
+                            f"index of a million shards takes; it is not one `hvd-train shard` wrote")
+        index = json.loads(text)
     except (OSError, ValueError) as e:  # a missing file, a failed download, text that is not JSON
+        if isinstance(e, DataError):
+            raise
         raise DataError(f"shard index {location}: cannot read it ({e}); write shards and their index with "
                         f"`hvd-train shard`, or name the index with --data.shard_index") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("shards"), dict):
+    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("shards"), dict) \
+            or not isinstance(index.get("facts"), dict):
         raise DataError(f"shard index {location}: not an hvd-train shard index (written by `hvd-train shard`)")
+    for fact, most in FACT_BOUNDS.items():  # they size the model and every decoded image
+        value = index["facts"].get(fact)
+        if value is not None and (type(value) is not int or not 1 <= value <= most):
+            raise DataError(f"shard index {location}: facts.{fact} {value!r} is not a whole number from 1 to {most}; "
+                            f"rewrite the index with `hvd-train shard`")
+    wrong = [n for n, c in index["shards"].items() if type(c) is not int or not 0 <= c <= MAX_SHARD_SAMPLES]
+    if wrong:
+        raise DataError(f"shard index {location}: shard {wrong[0]}'s sample count {index['shards'][wrong[0]]!r} is "
+                        f"not a whole number from 0 to {MAX_SHARD_SAMPLES}; rewrite the index with `hvd-train shard`")
     return index
 
 
@@ -181,7 +200,7 @@ def decode(sample, url, channels):
         with Image.open(io.BytesIO(sample[image_key])) as image:
             image = image.convert("L" if channels == 1 else "RGB")
         return image, int(sample["cls"])
-    except (OSError, SyntaxError, ValueError) as e:
+    except UNREADABLE_IMAGE as e:
         raise BadSampleError(f"shard {url}: sample {sample['__key__']}.{image_key} does not decode ({e}); rewrite "
                              f"the shard") from None
 

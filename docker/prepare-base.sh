@@ -27,10 +27,14 @@ chown -R hvd:hvd /home/hvd/.ssh /opt/hvd-train
 chmod 700 /home/hvd/.ssh
 
 # sshd on 12345 with the user's keys, mounted at /home/hvd/.ssh at run time (no key is ever in the image). Host keys
-# are made afresh when a container starts (start-sshd.sh), so there is nothing to pin: the client accepts them.
+# are made afresh when a container starts (start-sshd.sh), so none can be pinned in the image: the client accepts a
+# host it meets for the first time (accept-new) into this container's own known_hosts, and refuses one whose key
+# then changes. Host-key checking stays on, and ssh's warnings are shown.
 printf 'Port 12345\nPasswordAuthentication no\nPermitRootLogin no\nAuthorizedKeysFile /home/hvd/.ssh/authorized_keys\n' \
     >/etc/ssh/sshd_config.d/hvd-train.conf
-printf 'Host *\n    Port 12345\n    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n    LogLevel ERROR\n' \
+mkdir -p /home/hvd/.cache/hvd-train
+chown -R hvd:hvd /home/hvd/.cache
+printf 'Host *\n    Port 12345\n    StrictHostKeyChecking accept-new\n    UserKnownHostsFile ~/.cache/hvd-train/known_hosts\n' \
     >/etc/ssh/ssh_config.d/hvd-train.conf
 
 # OpenMPI in a container: its shared-memory transport copies between ranks with process_vm_readv (CMA), which

@@ -16,6 +16,7 @@ cannot read ($HVD_HOSTS_FILE naming no file, a bad line, a broken SLURM allocati
 half-saved file), where printing nothing would remove them all.
 """
 import os
+import stat
 import sys
 
 from generate import AllocationError, slurm_hosts
@@ -24,7 +25,23 @@ from validate import HostListError, parse, read_lines
 DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hosts.txt")
 
 
+def check_owner(path):
+    """The host list decides which machines the job's ranks run on (and so ssh to): refused when a user other than
+    this one (or root) owns it, or when anyone may write it."""
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        raise HostListError(f"{path}: cannot read: {e.strerror or e}") from None
+    if info.st_mode & stat.S_IWOTH:
+        raise HostListError(f"{path}: every user may write it (mode {stat.filemode(info.st_mode)}), and it decides "
+                            f"where the job runs; chmod o-w {path}")
+    if info.st_uid not in (os.getuid(), 0):
+        raise HostListError(f"{path}: owned by uid {info.st_uid}, not by this user ({os.getuid()}) or root, and it "
+                            f"decides where the job runs; use a host list of your own")
+
+
 def from_file(path):
+    check_owner(path)
     hosts, errors = parse(read_lines(path), live=True)
     if errors:
         number, message = errors[0]

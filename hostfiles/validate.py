@@ -75,6 +75,10 @@ def parse(lines, live=False):
         if not HOST.match(host) or "=" in host:
             errors.append((number, f"{host!r} is not a host name or address"))
             continue
+        if host.startswith("-"):  # ssh and mpirun would take it for one of their options (-oProxyCommand=...)
+            errors.append((number, f"{host!r}: a host name cannot start with '-' (ssh and mpirun would read it as "
+                                   f"an option); fix the name"))
+            continue
         # Recorded before the slots are checked: a repeat is named even while the first line has another problem.
         first, spelled = seen.setdefault(host.lower(), (number, host))
         if first != number:

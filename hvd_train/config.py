@@ -24,6 +24,9 @@ AMP_MODES = ("off", "bf16", "fp16")
 DEVICES = ("auto", "cuda", "cpu")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 PROFILE_RANKS = ("0", "all")
+MAX_WORKERS = 64  # DataLoader processes per rank
+MAX_IMAGE_SIDE = 8192  # pixels; a side of 8192 is already 200 MB per float image
+RECIPE_MAX_BYTES = 2**20  # a recipe is a page of settings; a larger file is not one
 
 
 def _require(ok, name, value, why):
@@ -94,9 +97,16 @@ class DataConfig(_Section):
                  "must be a size in pixels, or 0 for the data set's own")
         _require(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction,
                  "must be between 0 and 1 (exclusive), e.g. 0.2 for a 20% validation split")
-        _require(self.workers >= 0, "data.workers (--workers)", self.workers, "must be 0 or more")
-        for name in ("synthetic_samples", "synthetic_channels", "synthetic_classes", "shuffle_buffer"):
-            _require(getattr(self, name) > 0, f"data.{name}", getattr(self, name), "must be positive")
+        _require(0 <= self.workers <= MAX_WORKERS, "data.workers (--workers)", self.workers,
+                 f"must be 0 to {MAX_WORKERS} loader processes per rank (2 to 8 keep a GPU fed)")
+        _require(self.image_size <= MAX_IMAGE_SIDE, "data.image_size (--image-size)", self.image_size,
+                 f"must be at most {MAX_IMAGE_SIDE} pixels")
+        # Each of these allocates in every rank's loader workers (or its memory): bounded so that a typo or a recipe
+        # from elsewhere cannot ask a node for more than it has.
+        for name, most in (("synthetic_samples", 10**7), ("synthetic_channels", 64), ("synthetic_classes", 10**6),
+                           ("shuffle_buffer", 10**6)):
+            _require(0 < getattr(self, name) <= most, f"data.{name}", getattr(self, name),
+                     f"must be positive and at most {most}")
 
 
 @dataclass
@@ -526,11 +536,14 @@ def _read_text(path):
         raise ConfigError(f"--config {path}: is a directory; expected a YAML file such as configs/digits_cnn.yaml")
     try:
         with open(path, "rb") as fh:
-            data = fh.read()
+            data = fh.read(RECIPE_MAX_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file (recipes live in configs/)")
     except OSError as e:
         raise ConfigError(f"--config {path}: cannot be read ({e.strerror or e})")
+    if len(data) > RECIPE_MAX_BYTES:
+        raise ConfigError(f"--config {path}: larger than {RECIPE_MAX_BYTES // 1024} KB, which no recipe needs; give a "
+                          f"YAML recipe such as configs/digits_cnn.yaml")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -569,6 +582,23 @@ def _refuse_repeats(root, path):
                               f"{repeated[2]}; keep one")
 
 
+def _refuse_aliases(root, path):
+    """A YAML alias (*name) repeats a node wherever it is used; nested, a few hundred bytes expand to gigabytes
+    (the "billion laughs"). Recipes are short enough to write out, so aliases are refused where they are used."""
+    seen, stack = set(), [root] if root is not None else []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            raise ConfigError(f"--config {path}: the value anchored on line {node.start_mark.line + 1} is used "
+                              f"again through an alias (*name); aliases are refused in recipes (they can expand "
+                              f"without bound): write the values out")
+        seen.add(id(node))
+        if node.id == "mapping":
+            stack += [n for pair in node.value for n in pair]
+        elif node.id == "sequence":
+            stack += node.value
+
+
 def _parse_yaml(text, path):
     """yaml.safe_load, step by step: the document's nodes are checked for repeated keys before they become dicts."""
     import yaml
@@ -577,6 +607,7 @@ def _parse_yaml(text, path):
     loader.name = path  # PyYAML's own messages then name the file, as they do when given an open file
     try:
         root = loader.get_single_node()
+        _refuse_aliases(root, path)
         _refuse_repeats(root, path)
         return None if root is None else loader.construct_document(root)
     finally:

@@ -11,6 +11,7 @@ fail (FAIL), 0 when it would run (WARN: it would, with something to look at).
 import argparse
 import json
 import os
+import select
 import shlex
 import socket
 import subprocess
@@ -89,13 +90,14 @@ class Hosts:
         python = [self.args.python, "-c", code, *[str(a) for a in argv]]
         if host in self.local_names:
             return python
-        ssh = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "ConnectTimeout=10",
-               "-o", "LogLevel=ERROR"]
+        # accept-new: a host met for the first time is remembered, a host whose key changed is refused (as it
+        # should be: that is what a man in the middle looks like); ssh's warnings are kept and shown.
+        ssh = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new", "-o", "ConnectTimeout=10"]
         if self.args.ssh_port:
             ssh += ["-p", str(self.args.ssh_port)]
         if self.args.ssh_identity_file:
             ssh += ["-i", self.args.ssh_identity_file]
-        return ssh + [host, shlex.join(python)]
+        return ssh + ["--", host, shlex.join(python)]
 
     def run(self, host, code, *argv):
         return subprocess.run(self.command(host, code, *argv), capture_output=True, text=True, timeout=SSH_TIMEOUT,
@@ -123,6 +125,20 @@ class Report:
         return 1 if fails else 0
 
 
+def important(stderr):
+    """What ssh said that matters: its warnings and its last words (a changed host key, a refused login)."""
+    lines = [line.strip("@ \t") for line in stderr.strip().splitlines() if line.strip("@ \t")]
+    warnings = [line for line in lines if "WARNING" in line.upper() or "IDENTIFICATION HAS CHANGED" in line]
+    return list(dict.fromkeys(warnings[:2] + lines[-1:]))
+
+
+def read_port(proc, seconds):
+    """The port a LISTEN program prints first, or None when it prints none within `seconds`."""
+    ready, _, _ = select.select([proc.stdout], [], [], seconds)
+    line = proc.stdout.readline().strip() if ready else ""
+    return int(line) if line.isdigit() else None
+
+
 def probe_all(hosts, names):
     def probe(name):
         sent = time.time()
@@ -131,8 +147,12 @@ def probe_all(hosts, names):
         except subprocess.TimeoutExpired:
             return name, None, f"no answer within {SSH_TIMEOUT} s"
         if proc.returncode != 0:
-            return name, None, (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        facts = json.loads(proc.stdout.strip().splitlines()[-1])
+            return name, None, "; ".join(important(proc.stderr) or [f"exit {proc.returncode}"])
+        try:
+            facts = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return name, None, f"the probe printed no report ({proc.stdout.strip()[-200:] or 'nothing'})"
+        facts["ssh_warnings"] = [line for line in proc.stderr.splitlines() if line.lower().startswith("warning")]
         # The host read its clock between sending and answering: outside that window, the clocks disagree.
         facts["skew"] = min(0.0, facts["time"] - sent) + max(0.0, facts["time"] - time.time())
         return name, facts, ""
@@ -222,16 +242,22 @@ def check_links(report, hosts, reachable, args):
             listeners[name] = subprocess.Popen(hosts.command(name, LISTEN, addr), stdin=subprocess.PIPE,
                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name, proc in listeners.items():
-            line = proc.stdout.readline().strip()
-            if line.isdigit():
-                ports[name] = int(line)
+            port = read_port(proc, SSH_TIMEOUT)
+            if port is None:
+                report.add(name, "tcp", "FAIL", f"the listener started over ssh printed no port within {SSH_TIMEOUT} "
+                           f"s", "check that ssh to this host works (the ssh row above)")
+            else:
+                ports[name] = port
         for name in reachable:
             peers = [(other, targets[other], ports[other]) for other in ports if other != name]
             if not peers:
                 continue
-            proc = hosts.run(name, CONNECT, json.dumps(peers))
-            failed = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
-                {p[0]: proc.stderr.strip() for p in peers}
+            try:
+                proc = hosts.run(name, CONNECT, json.dumps(peers))
+                failed = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
+                    {p[0]: proc.stderr.strip() for p in peers}
+            except subprocess.TimeoutExpired:
+                failed = {p[0]: f"no answer within {SSH_TIMEOUT} s" for p in peers}
             detail = ("cannot reach " + "; ".join(f"{k} ({v})" for k, v in failed.items())) if failed else \
                 f"reaches {', '.join(p[0] for p in peers)}"
             report.add(name, "tcp", "FAIL" if failed else "ok", detail,
@@ -284,7 +310,7 @@ def main(argv):
     args.multi_host = len(slots) > 1
     hosts, report = Hosts(args), Report()
     local = json.loads(subprocess.run([args.python, "-c", PROBE, args.output_dir], capture_output=True, text=True,
-                                      check=True).stdout.strip().splitlines()[-1])
+                                      check=True, timeout=SSH_TIMEOUT).stdout.strip().splitlines()[-1])
     reachable = {}
     for name, facts, error in probe_all(hosts, list(slots)):
         unresolved = resolve(name) if facts is None else None
@@ -299,7 +325,16 @@ def main(argv):
                        + (f" on port {args.ssh_port}" if args.ssh_port else "")
                        + " and accepts this key without a password (horovodrun and mpirun log in the same way)")
             continue
-        report.add(name, "ssh", "ok", "answers" if name not in hosts.local_names else "this host")
+        warned = [w for w in facts.get("ssh_warnings", []) if "Permanently added" not in w]
+        if name in hosts.local_names:
+            detail = "this host"
+        elif warned:
+            detail = "; ".join(warned)
+        else:
+            added = any("Permanently added" in w for w in facts.get("ssh_warnings", []))
+            detail = "answers" + (" (its host key is now in known_hosts)" if added else "")
+        report.add(name, "ssh", "WARN" if warned else "ok", detail,
+                   "read ssh's warning: horovodrun and mpirun log in the same way" if warned else "")
         reachable[name] = facts
         check_host(report, name, slots[name], facts, local, args)
     if len(reachable) > 1:

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from data.errors import UNREADABLE_IMAGE
 from data.imagefolder import is_image_file
 from hvd_train.errors import CheckpointError, ConfigError, say
 from hvd_train.inference import load_runner
@@ -65,7 +66,7 @@ def load_images(files, preprocessing):
     for path in files:
         try:
             tensors.append(preprocessing.load(path))
-        except (OSError, SyntaxError, ValueError) as e:  # PIL's ways of saying "not an image I can read"
+        except UNREADABLE_IMAGE as e:  # PIL's ways of saying "not an image I can read"
             raise InputError(f"{path}: cannot read this image ({e}); give image files (.jpg, .png, ...)") from None
     return torch.stack(tensors)
 

@@ -16,6 +16,7 @@ import math
 import os
 import secrets
 import shutil
+import sys
 import time
 from importlib import metadata
 
@@ -191,10 +192,16 @@ class WandbTracker(Tracker):
         import wandb
 
         run_id = self.run_id or secrets.token_hex(4)  # W&B's ids: short, lowercase
-        self.run = wandb.init(mode="offline", dir=cfg.run.output_dir, project=cfg.logging.wandb_project,
-                              name=run_name(cfg), id=run_id, resume="allow",
-                              config={**flatten(cfg.to_dict()), **run_facts(rt)},
-                              settings=wandb.Settings(silent=True, x_disable_stats=True))
+        # W&B records the process's command line in the run's metadata: it sees it with its URIs redacted.
+        argv = sys.argv
+        sys.argv = [redact(a) if "://" in a else a for a in argv]
+        try:
+            self.run = wandb.init(mode="offline", dir=cfg.run.output_dir, project=cfg.logging.wandb_project,
+                                  name=run_name(cfg), id=run_id, resume="allow",
+                                  config={**flatten(cfg.to_dict()), **run_facts(rt)},
+                                  settings=wandb.Settings(silent=True, x_disable_stats=True))
+        finally:
+            sys.argv = argv
         self.run_id = run_id
         log.info("W&B: offline run %s in %s (upload it with: wandb sync %s)", run_id, self.run.dir,
                  os.path.dirname(self.run.dir))

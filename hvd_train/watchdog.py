@@ -124,11 +124,7 @@ def stop():
     global _active
     if _active is not None:
         _active.stopped.set()
-        if _active.ignored:
-            why = ", ".join(f"{n} {reason}" for reason, n in sorted(_active.ignored.items()))
-            say(f"train_hvd.py: warning: rank {_active.me.rank}'s watchdog ignored {sum(_active.ignored.values())} "
-                f"datagram(s) on UDP port {_active.me.port} that were not its peers' heartbeats ({why}); something "
-                f"else on the network sends to that port")
+        _active.report_ignored()
         _active = None
 
 
@@ -207,6 +203,13 @@ class Watchdog:
             return
         peer.sequence, peer.progress, peer.heard = sequence, progress, time.monotonic()
 
+    def report_ignored(self):
+        if self.ignored:
+            why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.ignored.items()))
+            say(f"train_hvd.py: warning: rank {self.me.rank}'s watchdog ignored {sum(self.ignored.values())} "
+                f"datagram(s) on UDP port {self.me.port} that were not its peers' heartbeats ({why}); something "
+                f"else sends to that port")
+
     def verdict(self, now):
         """This rank has made no progress for the timeout: blame whoever holds the job up, and end it."""
         stalled = int(now - self.last_activity)
@@ -219,6 +222,7 @@ class Watchdog:
             say(f"train_hvd.py: rank {self.me.rank} (host {self.me.host}) made no progress for {stalled} s while "
                 f"the other ranks waited for it; where it is stuck:")
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            self.report_ignored()
             os._exit(EXIT_CODE)
         culprits = silent or behind or unheard
         blamed = {p.member.rank for p in culprits}
@@ -227,6 +231,7 @@ class Watchdog:
             waited = "The other ranks waited for it in a collective; e" if culprits else "E"
             say(f"train_hvd.py: error: {self.describe(culprits, silent, behind, stalled)} {waited}nding the job "
                 f"(the limit is --freeze-timeout {self.timeout_s:g} s; 0 turns this off). {self.resume_hint}")
+            self.report_ignored()
             os._exit(EXIT_CODE)
         # The reporter says it; leave it a moment to, then end this rank too (the launcher may already have).
         self.stopped.wait(self.timeout_s / 2 + 10)

@@ -2,6 +2,7 @@
 a wrong interface name, loopback-resolving hostnames, another package version on one host) is named with its fix."""
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -53,13 +54,27 @@ def test_each_injected_fault_is_named_with_its_fix(tmp_path):
     (fake / "hvd_train-0.0.9.dist-info").mkdir(parents=True)
     (fake / "hvd_train-0.0.9.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: hvd-train\n"
                                                                  "Version: 0.0.9\n")
-    with Cluster(tmp_path, 3, names="loopback", ssh_env={"node-c": {"PYTHONPATH": fake}}) as cluster:
+    # node-d: its host key is not the one known_hosts holds for it (what a man in the middle looks like).
+    with Cluster(tmp_path, 4, names="loopback", ssh_env={"node-c": {"PYTHONPATH": fake}}) as cluster:
         cluster.stop_sshd(cluster.hosts[1])
-        proc = doctor(cluster, "--network-interface", "eth7")
+        known = Path.home() / ".ssh" / "known_hosts"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", tmp_path / "other"], check=True)
+        known.parent.mkdir(mode=0o700, exist_ok=True)
+        kind, key = (tmp_path / "other.pub").read_text().split()[:2]
+        with open(known, "a") as f:
+            f.write(f"[node-d]:{SSH_PORT} {kind} {key}\n")
+        try:
+            proc = doctor(cluster, "--network-interface", "eth7")
+        finally:
+            subprocess.run(["ssh-keygen", "-R", f"[node-d]:{SSH_PORT}"], capture_output=True)
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
     [(status, _, fix)] = rows(out, "node-b", "ssh")
     assert status == "FAIL" and f"check that sshd runs on node-b on port {SSH_PORT}" in fix
+    [(status, line, _)] = rows(out, "node-d", "ssh")
+    assert status == "FAIL" and "IDENTIFICATION HAS CHANGED" in line and "Host key verification failed" in line
+    [(status, line, _)] = rows(out, "node-c", "ssh")  # met for the first time: accepted, and said so
+    assert status == "ok" and "its host key is now in known_hosts" in line, out
     [(status, line, fix)] = rows(out, "node-c", "versions")
     assert status == "FAIL" and "hvd-train 0.0.9 (here 0.1.0)" in line and "same versions" in fix
     for host in ("node-a", "node-c"):

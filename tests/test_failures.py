@@ -219,8 +219,8 @@ def test_download_without_network_is_one_line_naming_the_url_and_the_way_by_hand
     (tmp_path / "data").mkdir()
     proc = run_app("horovodrun-gloo", 2, "--output-dir", tmp_path / "out", "--dataset", "cifar10", "--download",
                    "--data-dir", tmp_path / "data", check=False, offline=True)
-    line = assert_refused(proc, "--download CIFAR-10: cannot fetch https://www.cs.toronto.edu/~kriz/cifar-10-binary",
-                          f"extract it into {tmp_path / 'data'} (it makes cifar-10-batches-bin/)",
+    line = assert_refused(proc, "--download CIFAR-10: cannot fetch https://www.cs.toronto.edu/~kriz/cifar-10-python",
+                          f"extract it into {tmp_path / 'data'} (it makes cifar-10-batches-py/)",
                           "then run without --download")
     assert "failed on another host" not in proc.stdout + proc.stderr and "Downloading" not in proc.stdout, line
     assert not (tmp_path / "out").exists() and not list((tmp_path / "data").iterdir())

@@ -186,7 +186,7 @@ def test_timm_models_are_built_by_name_for_the_data(tmp_path, app):
 def resume_matches_straight(launcher, folder, recipe, tmp_path, *args):
     """The example's recipe trained 2 epochs straight, and 1 epoch then resumed to 2, from the example's folder as
     its README says: the same weights, bit for bit, and the same records. Returns the straight run's summary."""
-    common = ["--config", recipe, "--lr-schedule", "constant", *args]
+    common = ["--config", recipe, "--trust-code", "--lr-schedule", "constant", *args]
     run_app(launcher, 2, "--output-dir", tmp_path / "straight", "--epochs", "2", *common, cwd=folder)
     run_app(launcher, 2, "--output-dir", tmp_path / "resumed", "--epochs", "1", *common, cwd=folder)
     proc = run_app(launcher, 2, "--output-dir", tmp_path / "resumed", "--epochs", "2", "--resume", "auto", *common,
@@ -236,8 +236,8 @@ def test_the_language_model_example_reports_perplexity_and_resumes_exactly(tmp_p
 def test_the_language_model_example_survives_a_lost_worker_in_elastic_mode(tmp_path):
     """horovodrun --min-np 1 on two "hosts" (localhost and 127.0.0.1); the worker of one is killed in epoch 2, and
     the user's model, data and task finish on the other from the last commit."""
-    elastic_run_losing_a_worker(tmp_path, "--config", "char_lm.yaml", "--data-args", "stride=16", "--output-dir",
-                                tmp_path / "run", cwd=EXAMPLES / "char_lm")
+    elastic_run_losing_a_worker(tmp_path, "--config", "char_lm.yaml", "--trust-code", "--data-args", "stride=16",
+                                "--output-dir", tmp_path / "run", cwd=EXAMPLES / "char_lm")
     summary = read_json(tmp_path / "run" / "summary.json")
     assert summary["world_size"] == 1 and summary["elastic"]["resets"] >= 1
     assert summary["task"] == "char_lm:NextCharacter"

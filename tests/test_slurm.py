@@ -103,15 +103,25 @@ def job_state(env, job):
 
 
 def test_sbatch_trains_with_two_tasks_and_a_requeued_job_resumes(slurm, tmp_path):
-    out, log = tmp_path / "run", tmp_path / "job.log"
-    # The script's GPU request and two nodes, replaced for this one CPU node; every other line is as shipped.
+    log = tmp_path / "job.log"
+    # The script's GPU request and two nodes, replaced for this one CPU node; every other line is as shipped. No
+    # --output-dir: the script's own, runs/slurm-<job name>-<job id>, is this job's alone and survives its requeue.
+    name = f"hvd-test-{os.getpid()}"
     proc = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
-                           "--cpus-per-task=1", "--open-mode=append", f"--output={log}",
-                           str(ROOT / "hostfiles" / "slurm_train.sbatch"), "--output-dir", str(out), "--epochs", "10",
+                           "--cpus-per-task=1", "--open-mode=append", f"--output={log}", f"--job-name={name}",
+                           str(ROOT / "hostfiles" / "slurm_train.sbatch"), "--epochs", "10",
                            "--batch-size", "8", "--logging.progress=false"],
                           cwd=ROOT, env=slurm, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip().split(";")[0]
+    out = ROOT / "runs" / f"slurm-{name}-{job}"
+    try:
+        trained_and_resumed(slurm, job, out, log)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def trained_and_resumed(slurm, job, out, log):
     # As soon as the first checkpoint is written, SLURM requeues the job (a preemption, a node failure); the nine
     # epochs still to train keep it running until the requeue arrives.
     wait_for(lambda: (out / "checkpoints" / "last.pt").exists() or job_state(slurm, job) in ("FAILED", "GONE"),
