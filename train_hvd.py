@@ -22,7 +22,7 @@ import traceback
 import torch
 
 import hvd_utils
-from data import BadSampleError, DataError
+from hvd_train.data import BadSampleError, DataError
 from hvd_train.build import check_choices
 from hvd_train.config import parse_config
 from hvd_train import doctor, interrupt
@@ -55,6 +55,8 @@ def main(argv=None, cfg=None):
                         cycle_time_ms=cfg.horovod.cycle_time_ms,
                         gloo_timeout_s=cfg.run.freeze_timeout_s + 60 if watched else 0)
     setup_logging(rt.is_main)
+    for note in getattr(cfg, "notes", ()):  # a resume or evaluation given a setting again, changed
+        log.info("changed from the run's recorded settings: %s", note)
     interrupt.install(report=rt.is_main)  # Ctrl-C and SIGTERM: say where the run stopped (hvd_train/interrupt.py)
     torch.manual_seed(cfg.run.seed + rt.rank)  # different dropout per rank; the weights come from rank 0
     # The output directory first: a path that cannot be written fails in one line, before data and model are built.

@@ -125,7 +125,7 @@ def main():
             result["sweep"].append({"bytes": nbytes, "seconds": seconds, "algbw": nbytes / seconds,
                                     "busbw": busbw(nbytes, seconds, comm.size)})
     if args.what in ("grads", "both"):
-        from models import build_model
+        from hvd_train.models import build_model
 
         shapes = [q.shape for q in build_model(args.model, 3, 10, 32).parameters()]
         tensors = [torch.ones(s) for s in shapes]

@@ -11,7 +11,7 @@ timed.
 import torch
 
 from common import fixed_batch, rate_summary, sgd_step, step_args, threads_for, timed_rates, write_result
-from models import build_model, is_channels_last
+from hvd_train.models import build_model, is_channels_last
 
 
 def main():

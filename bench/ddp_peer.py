@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from common import fixed_batch, rate_summary, sgd_step, step_args, threads_for, timed_rates, write_result
-from models import build_model
+from hvd_train.models import build_model
 
 
 def main():

@@ -11,7 +11,7 @@ import os
 import time
 
 from common import ROOT  # noqa: F401  (puts the app on the path)
-from data import LoaderSpec, build_loaders
+from hvd_train.data import LoaderSpec, build_loaders
 from hvd_train.config import DataConfig
 from hvd_train.datasets import build_datasets
 

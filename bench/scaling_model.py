@@ -69,7 +69,7 @@ def measure_resnet50(batch=8, repeats=3):
     import torch
     import torch.nn.functional as F
 
-    from models import build_model
+    from hvd_train.models import build_model
 
     model = build_model("resnet50", 3, 1000, 224)
     x, y = torch.rand(batch, 3, 224, 224), torch.randint(0, 1000, (batch,))

@@ -1,18 +1,21 @@
 """Data sets, the train/validation split and the per-rank loaders. No Horovod here: ranks are arguments."""
+import functools
 import multiprocessing
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Subset, default_collate
 
-from data import shards
-from data.catalog import CHOICES, FROM_FILES, find_dataset, native_size
-from data.errors import BadSampleError, DataError
-from data.preprocessing import Preprocessing, class_names
-from data.samplers import ShardSampler
-from data.split import split_indices
+from hvd_train.data import shards
+from hvd_train.data.catalog import CHOICES, DATASETS, FROM_FILES, find_dataset, native_size
+from hvd_train.data.errors import BadSampleError, DataError
+from hvd_train.data.preprocessing import Preprocessing, class_names
+from hvd_train.data.samplers import ShardSampler
+from hvd_train.data.split import split_indices
 
-__all__ = ["CHOICES", "FROM_FILES", "BadSampleError", "DataError", "DataInfo", "LoaderSpec", "build_loaders",
+__all__ = ["CHOICES", "DATASETS", "FROM_FILES",
+           "BadSampleError", "DataError", "DataInfo", "LoaderSpec", "build_loaders",
            "check_world", "datasets_from", "find_dataset", "is_streamed", "native_size"]
 IMAGE_FACTS = ("in_channels", "num_classes", "image_size")
 
@@ -28,6 +31,9 @@ class DataInfo:
     extra: dict = field(default_factory=dict)  # a user's data set's other facts (vocab_size, block_size, ...)
     classes: Optional[list] = None  # the classes' names in label order, where the data set knows them
     preprocessing: Optional[Preprocessing] = None  # how an image file becomes a validation sample (predict, exports)
+    # () -> one training sample as a batch of one, as the loader collates it (its structure and shapes): what lazy
+    # modules are materialised from. Not a fact: never stored.
+    example: Optional[Callable] = field(default=None, repr=False, compare=False)
 
     def facts(self):
         """The facts a model factory may name as parameters: the known image facts and the extra ones."""
@@ -69,7 +75,17 @@ def datasets_from(train, val, facts, dc, where=""):
     facts.pop("classes", None)
     image = [facts.pop(name, None) for name in IMAGE_FACTS]
     return train, val, DataInfo(*image, len(train), len(val), extra=facts, classes=named,
-                                preprocessing=_preprocessing(recorded, image, dc))
+                                preprocessing=_preprocessing(recorded, image, dc),
+                                example=functools.partial(example_batch, train, image))
+
+
+def example_batch(train, image):
+    """One training sample collated into a batch of one. A stream (tar shards) has no first sample to index: a
+    blank image of its size and class 0, which is what a shard's sample collates to."""
+    if is_streamed(train):
+        channels, _, size = image
+        return [torch.zeros(1, channels, size, size), torch.zeros(1, dtype=torch.long)]
+    return default_collate([train[0]])
 
 
 def _preprocessing(recorded, image, dc):

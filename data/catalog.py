@@ -8,10 +8,10 @@ native size. A factory with a `download(data_dir)` attribute is fetched by `--do
 import inspect
 from functools import partial
 
-from data import cifar, mnist, shards, stl10
-from data.digits import load_digits_dataset
-from data.preprocessing import describe
-from data.synthetic import SyntheticDataset
+from hvd_train.data import cifar, mnist, shards, stl10
+from hvd_train.data.digits import load_digits_dataset
+from hvd_train.data.preprocessing import describe
+from hvd_train.data.synthetic import SyntheticDataset
 
 
 def image_facts(channels, classes, size, val):
@@ -66,7 +66,7 @@ def stl10_set(data_dir, image_size=96):
 def imagefolder(data_dir, image_size=224, skip_bad_files=False):
     """Class folders, with train/ and val/ or split by data.val_fraction (the same files read twice: training and
     evaluation transforms)."""
-    from data import imagefolder as folders  # torchvision's datasets take a second to import: only where read
+    from hvd_train.data import imagefolder as folders  # torchvision's datasets take a second to import: only where read
 
     train, val, presplit = folders.load(data_dir, image_size, skip_bad_files)
     return train, val, {**image_facts(3, len(train.classes), image_size, val), "held_out": not presplit}
@@ -75,6 +75,9 @@ def imagefolder(data_dir, image_size=224, skip_bad_files=False):
 def shard_sets(train_shards="", val_shards="", shard_index="", image_size=0):
     """WebDataset tars written by `hvd-train shard`; the facts come from their index."""
     train, val, facts = shards.open_sets(train_shards, val_shards, shard_index)
+    if facts.get("transform") == "samples":  # a user's data set: its own facts, as its factory gave them
+        known = {k: facts.get(k) for k in ("in_channels", "num_classes", "image_size") if facts.get(k) is not None}
+        return train, val, {**known, **(facts.get("extra") or {})}
     size = image_size or facts.get("image_size")
     return train, val, image_facts(facts.get("in_channels"), facts.get("num_classes"), size, val)
 

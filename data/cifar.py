@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from data.arrays import ImageTensorDataset
-from data.download import fetch
-from data.errors import DataError
-from data.layouts import Layout, locate
+from hvd_train.data.arrays import ImageTensorDataset
+from hvd_train.data.download import fetch
+from hvd_train.data.errors import DataError
+from hvd_train.data.layouts import Layout, locate
 
 PIXELS = 3 * 32 * 32
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.arrays import ImageTensorDataset
+from hvd_train.data.arrays import ImageTensorDataset
 
 
 def load_digits_dataset(image_size=0):

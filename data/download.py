@@ -8,7 +8,7 @@ import shutil
 import socket
 import tarfile
 
-from data.errors import DataError
+from hvd_train.data.errors import DataError
 
 TIMEOUT_S = 60  # per connection attempt: a firewall that drops packets must not hang the job
 

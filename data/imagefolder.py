@@ -3,14 +3,16 @@
 <data_dir>/train/<class>/*.jpg and <data_dir>/val/<class>/*.jpg (ImageNet's layout); without train/ and val/,
 <data_dir>/<class>/*.jpg is split into training and validation by data.val_fraction.
 """
+import collections
 import logging
 import os
 
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
-from data.errors import UNREADABLE_IMAGE, BadSampleError, DataError
-from data.layouts import contents
+from hvd_train.data.errors import UNREADABLE_IMAGE, BadSampleError, DataError
+from hvd_train.data.images import as_mode
+from hvd_train.data.layouts import contents
 
 log = logging.getLogger("hvd_train")
 
@@ -33,7 +35,7 @@ def read_image(path):
 
     try:
         with open(path, "rb") as f, Image.open(f) as image:
-            return image.convert("RGB")
+            return as_mode(image, "RGB")
     except UNREADABLE_IMAGE as e:  # a broken file, or one over Pillow's pixel limit
         raise BadSampleError(f"{path}: cannot read this image ({e}); fix or remove the file, or pass "
                              f"--data.skip_bad_files to leave out every file that does not decode") from None
@@ -87,7 +89,19 @@ def load(data_dir, image_size, skip_bad_files=False):
         log.info("left out %d image(s) that do not decode (--data.skip_bad_files), e.g. %s", len(bad), bad[0])
     if train.classes != val.classes:
         raise DataError(f"{train_dir} and {val_dir} have different class folders")
+    warn_lonely_classes(train, presplit)
     return train, val, presplit
+
+
+def warn_lonely_classes(train, presplit):
+    """A class with one image cannot be both learnt and validated (the split puts it on one side), which is most
+    often a misplaced file or folder: said, as training can still go on."""
+    counts = collections.Counter(label for _, label in train.samples)
+    lonely = [train.classes[c] for c in range(len(train.classes)) if counts[c] < 2]
+    if lonely:
+        where = "its training folder" if presplit else "it"
+        log.info("warning: image folder: class(es) %s have fewer than 2 images in %s, so they cannot be both trained "
+                 "on and validated; check for a misplaced file or folder", ", ".join(lonely[:5]), where)
 
 
 class ClassFolders(ImageFolder):

@@ -2,7 +2,7 @@
 import os
 from dataclasses import dataclass
 
-from data.errors import DataError
+from hvd_train.data.errors import DataError
 
 SHOWN = 8  # entries of a directory named in a "not found" message
 

@@ -13,7 +13,8 @@ from typing import Optional
 
 from torch.utils.data import Subset
 
-from data.arrays import ImageTensorDataset
+from hvd_train.data.images import as_mode
+from hvd_train.data.arrays import ImageTensorDataset
 
 RESIZES = ("stretch", "center_crop")
 CLASS_NAMES = {
@@ -71,7 +72,7 @@ class Preprocessing:
         from PIL import Image
 
         with Image.open(path) as image:
-            return self.transform()(image.convert("L" if self.channels == 1 else "RGB"))
+            return self.transform()(as_mode(image, "L" if self.channels == 1 else "RGB"))
 
 
 def describe(val_set, image_size) -> Optional[Preprocessing]:
@@ -85,7 +86,7 @@ def describe(val_set, image_size) -> Optional[Preprocessing]:
     if isinstance(facts, dict) and facts.get("transform") == "arrays":  # arrays written as shards
         return Preprocessing(facts["in_channels"], image_size, tuple(facts["mean"]), tuple(facts["std"]), "stretch")
     if hasattr(base, "classes") or (isinstance(facts, dict) and facts.get("transform") == "photos"):
-        from data.imagefolder import MEAN, STD
+        from hvd_train.data.imagefolder import MEAN, STD
 
         return Preprocessing(3, image_size, MEAN, STD, "center_crop")
     return None
@@ -106,7 +107,7 @@ def class_names(dataset_name, val_set, user_facts=None):
 def of_builtin(dataset_name, image_size):
     """The preprocessing of a data set that ships, from its name alone (checkpoints written before they recorded
     it); None for those whose preprocessing depends on their files (tar shards) or that are not images."""
-    from data import cifar, stl10
+    from hvd_train.data import cifar, stl10
 
     size = image_size
     grey = Preprocessing(1, size, (0.0,), (1.0,), "stretch")
@@ -115,7 +116,7 @@ def of_builtin(dataset_name, image_size):
              "cifar100": Preprocessing(3, size, cifar.CIFAR100.mean, cifar.CIFAR100.std, "stretch"),
              "stl10": Preprocessing(3, size, stl10.MEAN, stl10.STD, "stretch")}
     if dataset_name == "imagefolder":
-        from data.imagefolder import MEAN, STD
+        from hvd_train.data.imagefolder import MEAN, STD
 
         return Preprocessing(3, size, MEAN, STD, "center_crop")
     return known.get(dataset_name)

@@ -1,7 +1,10 @@
-"""`hvd-train shard`: any data set that ships, written as WebDataset tar shards with an index, for --dataset shards.
+"""`hvd-train shard`: a data set (one that ships, or a user's map-style one) written as WebDataset tar shards with
+an index, for --dataset shards.
 
 Images go in as they are stored: an image folder's files byte for byte (a JPEG stays that JPEG), arrays (CIFAR,
-MNIST, STL-10, the digits) as lossless PNG. Each split becomes OUT/{train,val}-NNNNNN.tar of at most --shard-size
+MNIST, STL-10, the digits) as lossless PNG. A user's samples go in as they are (tensors as .npy, numbers and text
+as .json, their tuple and dict nesting in the index), and come back out the same. Each split becomes
+OUT/{train,val}-NNNNNN.tar of at most --shard-size
 samples, and OUT/index.json lists every shard's sample count and the facts the model needs.
 """
 import io
@@ -9,28 +12,63 @@ import json
 import os
 
 import numpy as np
+import torch
 from torch.utils.data import Subset
 
-from data.arrays import ImageTensorDataset
-from data.errors import DataError
-from data.shards import FORMAT, INDEX
+from hvd_train.data.arrays import ImageTensorDataset
+from hvd_train.data.errors import DataError
+from hvd_train.data.shards import FORMAT, INDEX
 
 
 def raw_samples(dataset):
-    """(extension, bytes, label) for each sample of a built-in data set, in order, undecoded where possible."""
+    """The tar fields of each sample, in order: a built-in data set's image undecoded where possible (extension:
+    bytes) with its class ("cls"); any other data set's samples through encode() (.npy arrays, .json values)."""
     base, indices = dataset, range(len(dataset))
     if isinstance(dataset, Subset):
         base, indices = dataset.dataset, dataset.indices
     if isinstance(base, ImageTensorDataset):
         for i in indices:
-            yield "png", png(base.images[i], base.scale), int(base.labels[i])
-    elif hasattr(base, "samples"):  # an image folder: (path, class) pairs
+            yield {"png": png(base.images[i], base.scale), "cls": str(int(base.labels[i]))}
+    elif hasattr(base, "samples") and hasattr(base, "classes"):  # an image folder: (path, class) pairs
         for i in indices:
             path, label = base.samples[i]
             with open(path, "rb") as f:
-                yield os.path.splitext(path)[1][1:].lower(), f.read(), label
+                yield {os.path.splitext(path)[1][1:].lower(): f.read(), "cls": str(label)}
     else:
-        raise DataError(f"cannot write {type(base).__name__} as shards: only the data sets that ship can be")
+        for i in range(len(dataset)):
+            yield dict(encode(dataset[i], f"sample {i}"))
+
+
+def encode(sample, where, prefix=""):
+    """(field, bytes) for each leaf of a sample: tensors and arrays as .npy (read back without pickle), numbers,
+    booleans and text as .json; tuples, lists and dicts nest by name (image.npy, 0.npy, target.box.npy)."""
+    if torch.is_tensor(sample) or isinstance(sample, np.ndarray):
+        out = io.BytesIO()
+        np.save(out, sample.detach().cpu().numpy() if torch.is_tensor(sample) else sample, allow_pickle=False)
+        yield prefix + "npy", out.getvalue()
+    elif isinstance(sample, (bool, int, float, str)):
+        yield prefix + "json", json.dumps(sample).encode()
+    elif isinstance(sample, dict):
+        for key in sorted(sample):
+            if not isinstance(key, str) or not key.isidentifier():
+                raise DataError(f"{where}: key {key!r} cannot name a field in a shard; use identifiers as keys")
+            yield from encode(sample[key], where, f"{prefix}{key}.")
+    elif isinstance(sample, (tuple, list)):
+        for j, value in enumerate(sample):
+            yield from encode(value, where, f"{prefix}{j}.")
+    else:
+        raise DataError(f"{where}: holds a {type(sample).__name__}, which a shard cannot hold; give samples of "
+                        f"tensors, arrays, numbers and text, in tuples, lists or dicts")
+
+
+def structure(sample):
+    """The shape of a sample's nesting, for the reader to rebuild it: "leaf", ["tuple"|"list", [...]], or
+    ["dict", {key: ...}]."""
+    if isinstance(sample, dict):
+        return ["dict", {k: structure(v) for k, v in sorted(sample.items())}]
+    if isinstance(sample, (tuple, list)):
+        return [type(sample).__name__, [structure(v) for v in sample]]
+    return "leaf"
 
 
 def png(image, scale):
@@ -47,14 +85,17 @@ def png(image, scale):
 
 
 def facts_of(dataset, info, dataset_name):
-    """What the reader needs to rebuild the data set's tensors: classes, channels, size, how to transform."""
+    """What the reader needs to rebuild the data set's samples: classes, channels, size, how to transform (images),
+    or the samples' structure and the data set's own facts (any other data set)."""
     base = dataset.dataset if isinstance(dataset, Subset) else dataset
     facts = {"source": dataset_name, "num_classes": info.num_classes, "in_channels": info.in_channels,
              "image_size": info.image_size}
     if isinstance(base, ImageTensorDataset):
         facts.update(transform="arrays", mean=base.mean.flatten().tolist(), std=base.std.flatten().tolist())
-    else:
+    elif hasattr(base, "samples") and hasattr(base, "classes"):
         facts.update(transform="photos", classes=list(base.classes))
+    else:
+        facts.update(transform="samples", structure=structure(dataset[0]), extra=dict(info.extra))
     return facts
 
 
@@ -63,14 +104,14 @@ def write_split(dataset, out, split, shard_size):
     from webdataset import TarWriter
 
     counts, writer, name, key = {}, None, None, 0
-    for ext, data, label in raw_samples(dataset):
+    for fields in raw_samples(dataset):
         if writer is None or counts[name] == shard_size:
             if writer is not None:
                 finish(writer, out, name)
             name = f"{split}-{len(counts):06d}.tar"
             counts[name] = 0
             writer = TarWriter(os.path.join(out, name + ".tmp"))
-        writer.write({"__key__": f"{key:09d}", ext: data, "cls": str(label)})
+        writer.write({"__key__": f"{key:09d}", **fields})
         counts[name] += 1
         key += 1
     if writer is not None:

@@ -23,12 +23,16 @@ import io
 import json
 import os
 import random
+import socket
+import urllib.parse
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from data.errors import UNREADABLE_IMAGE, BadSampleError, DataError
+from hvd_train.data.errors import UNREADABLE_IMAGE, BadSampleError, DataError
+from hvd_train.data.images import as_mode
 
 INDEX = "index.json"
 INDEX_MAX_BYTES = 64 * 2**20  # read from a file or a server: bounded before it is parsed
@@ -85,7 +89,8 @@ def read_index(location):
     except (OSError, ValueError) as e:  # a missing file, a failed download, text that is not JSON
         if isinstance(e, DataError):
             raise
-        raise DataError(f"shard index {location}: cannot read it ({e}); write shards and their index with "
+        why = unreachable(location) or f"cannot read it ({e})"
+        raise DataError(f"shard index {location}: {why}; write shards and their index with "
                         f"`hvd-train shard`, or name the index with --data.shard_index") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("shards"), dict) \
             or not isinstance(index.get("facts"), dict):
@@ -176,7 +181,7 @@ def transform_for(facts, image_size, train):
     from torchvision import transforms as T
 
     if facts.get("transform") == "photos":
-        from data.imagefolder import transforms
+        from hvd_train.data.imagefolder import transforms
 
         return transforms(image_size, train)
     steps = [T.ToTensor()]
@@ -185,6 +190,26 @@ def transform_for(facts, image_size, train):
     channels = facts.get("in_channels", 3)
     steps.append(T.Normalize(facts.get("mean", [0.0] * channels), facts.get("std", [1.0] * channels)))
     return T.Compose(steps)
+
+
+def rebuild(sample, shape, url, prefix=""):
+    """A user's sample from its tar fields and the structure the index records (data/shard_writer.py): arrays
+    read with allow_pickle=False, values as JSON, so a shard cannot run code."""
+    if shape == "leaf":
+        try:
+            if prefix + "npy" in sample:
+                return torch.from_numpy(np.load(io.BytesIO(sample[prefix + "npy"]), allow_pickle=False))
+            return json.loads(sample[prefix + "json"])
+        except KeyError:
+            raise BadSampleError(f"shard {url}: sample {sample.get('__key__')} has no field {prefix}npy or "
+                                 f"{prefix}json, which the index's structure names; rewrite the shard") from None
+        except ValueError as e:
+            raise BadSampleError(f"shard {url}: sample {sample.get('__key__')}.{prefix}*: {e}") from None
+    kind, parts = shape
+    if kind == "dict":
+        return {k: rebuild(sample, v, url, f"{prefix}{k}.") for k, v in parts.items()}
+    items = [rebuild(sample, v, url, f"{prefix}{j}.") for j, v in enumerate(parts)]
+    return tuple(items) if kind == "tuple" else items
 
 
 def decode(sample, url, channels):
@@ -198,7 +223,7 @@ def decode(sample, url, channels):
                              f"({', '.join(IMAGE_KEYS[:3])}, ...) and a .cls file")
     try:
         with Image.open(io.BytesIO(sample[image_key])) as image:
-            image = image.convert("L" if channels == 1 else "RGB")
+            image = as_mode(image, "L" if channels == 1 else "RGB")
         return image, int(sample["cls"])
     except UNREADABLE_IMAGE as e:
         raise BadSampleError(f"shard {url}: sample {sample['__key__']}.{image_key} does not decode ({e}); rewrite "
@@ -224,6 +249,7 @@ class ShardStream(IterableDataset):
 
     def __init__(self, shards, place, transform, shuffle_buffer):
         self.shards, self.place, self.transform, self.shuffle_buffer = shards, place, transform, shuffle_buffer
+        self.structure = shards.facts.get("structure") if shards.facts.get("transform") == "samples" else None
         self.epoch = torch.ones(1, dtype=torch.int64).share_memory_()
 
     def plan(self, epoch):
@@ -246,14 +272,14 @@ class ShardStream(IterableDataset):
         if self.shards.train:
             rng = random.Random(f"{self.place.seed}:{epoch}:{self.place.rank}:{worker}")
             samples = shuffled(samples, self.shuffle_buffer, rng)
-        batch = []
-        for image, label in samples:
-            batch.append((self.transform(image), label))
+        batch, join = [], collate if self.structure is None else default_collate
+        for item in samples:
+            batch.append(item if self.structure is not None else (self.transform(item[0]), item[1]))
             if len(batch) == self.place.batch_size:
-                yield collate(batch)
+                yield join(batch)
                 batch = []
         if batch and not self.shards.train:
-            yield collate(batch)
+            yield join(batch)
 
     def samples(self, shard_indices):
         from webdataset.tariterators import tarfile_samples
@@ -264,15 +290,34 @@ class ShardStream(IterableDataset):
             try:
                 for sample in tarfile_samples([{"url": url}]):
                     seen += 1
-                    yield decode(sample, url, channels)
+                    yield decode(sample, url, channels) if self.structure is None else \
+                        rebuild(sample, self.structure, url)
             except BadSampleError:
                 raise
             except Exception as e:  # webdataset, tarfile and curl signal unreadable shards with many types
+                down = unreachable(url) if seen == 0 else None
+                if down:
+                    raise BadSampleError(f"shard {url}: {down}") from None
                 raise BadSampleError(f"shard {url}: cannot read it after {seen} sample(s) ({describe(e)}); check "
                                      f"that it exists and is whole, or rewrite it with `hvd-train shard`") from None
             if seen != expected:
                 raise BadSampleError(f"shard {url}: holds {seen} samples, its index says {expected}: the shard is "
                                      f"cut short or the index is stale; rewrite them with `hvd-train shard`")
+
+
+def unreachable(url):
+    """Why the server of an http(s):// shard cannot be reached (curl then gives webdataset an empty stream, which
+    reads as an empty file), or None where it answers or the shard is not on a server."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=10).close()
+    except OSError as e:
+        return (f"the server {parts.hostname}:{port} does not answer ({e.strerror or e}); check that it runs and "
+                f"that this host can reach it")
+    return None
 
 
 def describe(error):

@@ -6,10 +6,10 @@ y files hold one label byte per image, 1 to 10.
 import numpy as np
 import torch
 
-from data.arrays import ImageTensorDataset
-from data.download import fetch
-from data.errors import DataError
-from data.layouts import Layout, locate
+from hvd_train.data.arrays import ImageTensorDataset
+from hvd_train.data.download import fetch
+from hvd_train.data.errors import DataError
+from hvd_train.data.layouts import Layout, locate
 
 URL = "https://ai.stanford.edu/~acoates/stl10/stl10_binary.tar.gz"
 MD5 = "91f7769df0f17e558f3565bffb0c7dfb"  # the checksum torchvision publishes for it

@@ -2,26 +2,28 @@
 
 Each mode calls only the builders it uses (evaluation builds no optimizer; elastic training its own sampler).
 """
+import dataclasses
+import inspect
 import logging
 import os
 import shutil
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 import hvd_utils
-import data
-from data import LoaderSpec, build_loaders, check_world, is_streamed
+from hvd_train import data
+from hvd_train.data import LoaderSpec, build_loaders, check_world, is_streamed
 from hvd_train import tasks
 from hvd_train.datasets import build_datasets, dataset_factory
-from hvd_train.engine import StepOptions, Trainer
+from hvd_train.engine import StepOptions, Trainer, to_device
 from hvd_train.errors import ConfigError
 from hvd_train.plugins import call, is_import_path, resolve
 from hvd_train.profiling import StepProfiler
 from hvd_train.schedule import LRSchedule
-from hvd_train.weights import freeze, load_matching
-import models
-
+from hvd_train.weights import freeze, hold_batch_norm, load_matching
+from hvd_train import models
 log = logging.getLogger("hvd_train")
 
 
@@ -29,11 +31,16 @@ def check_choices(cfg):
     """Unknown names, plug-ins that do not import and impossible combinations fail here, before any rank starts
     Horovod."""
     model_factory(cfg)
-    build_task(cfg)
+    task = build_task(cfg)
+    percent = getattr(task.task, "percent", ())
+    if cfg.run.stop_at > 100 and task.best_mode == "max" and task.best_metric.split("_", 1)[1] in percent:
+        raise ConfigError(f"run.stop_at (--stop-at)={cfg.run.stop_at:g}: {task.best_metric} is a percentage, so it "
+                          f"can never reach {cfg.run.stop_at:g}; give a target of 100 or less (98: stop at 98%)")
     dataset_factory(cfg.data.dataset)
     if not is_import_path(cfg.data.dataset) and cfg.data.args:
         raise ConfigError(f"data.args (--data-args) is for your own data set factory (--dataset "
                           f"package.module:name); {cfg.data.dataset} takes its settings from the data.* fields")
+    check_data_settings_apply(cfg.data)
     # Data sets that live in files need --data-dir to be a directory (or absent, to be downloaded into).
     if cfg.data.dataset in data.FROM_FILES and \
             os.path.exists(cfg.data.data_dir) and not os.path.isdir(cfg.data.data_dir):
@@ -60,6 +67,38 @@ def check_choices(cfg):
                           "the ranks after every epoch anyway")
 
 
+# data.* settings that one data set reads and the others ignore; the loader reads shuffle_buffer for tar shards.
+DATA_SET_SETTINGS = ("train_shards", "val_shards", "shard_index", "skip_bad_files", "synthetic_samples",
+                     "synthetic_channels", "synthetic_classes")
+READ_BY_SHARDS = ("shuffle_buffer",)
+
+
+def check_data_settings_apply(dc):
+    """A data.* setting given for a data set that does not read it is refused: the run would silently train on
+    something else (tar shards named, the digits trained). The rule: a setting a data set's factory does not name is
+    refused when it differs from its default; settings every data set shares (data_dir, workers, ...) are not."""
+    factory = dataset_factory(dc.dataset)
+    defaults = {f.name: f.default for f in dataclasses.fields(dc)}
+    for name in DATA_SET_SETTINGS + READ_BY_SHARDS:
+        value = getattr(dc, name)
+        reader = "train_shards" if name in READ_BY_SHARDS else name
+        if value == defaults[name] or accepts(factory, reader):
+            continue
+        readers = [n for n, f in data.DATASETS.items() if accepts(f, reader)]
+        raise ConfigError(f"--data.{name}={value!r} does not apply to --dataset {dc.dataset}, which does not read "
+                          f"it (it is read by --dataset {' or '.join(readers)}); leave it out, or choose that data "
+                          f"set")
+
+
+def accepts(factory, name):
+    """Whether a data set factory is given the setting `name`: it names it, or takes any keyword argument."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 def cpp_compiler():
     """The C++ compiler TorchInductor calls for CPU code (CXX, else g++), if it is on PATH."""
     return shutil.which(os.environ.get("CXX") or "g++")
@@ -82,10 +121,12 @@ def model_factory(cfg):
     return resolve(cfg.model.name, models.find_model, "--model", models.CHOICES)
 
 
-def build_task(cfg):
-    """The task --task names (or the model's own), ready for the training loop."""
+def build_task(cfg, info=None):
+    """The task --task names (or the model's own), ready for the training loop; it gets the data's facts it names
+    (info: the DataInfo, where the data is known)."""
     name = cfg.model.task or models.model_task(cfg.model.name)
-    return tasks.build_task(resolve(name, tasks.find_task, "--task", tasks.CHOICES), name, cfg.model.task_args)
+    return tasks.build_task(resolve(name, tasks.find_task, "--task", tasks.CHOICES), name, cfg.model.task_args,
+                            info.facts() if info else None)
 
 
 def build_model_for(cfg, info, device):
@@ -166,17 +207,49 @@ def build_trainer(cfg, info, rt):
     """Model (on rt.device), task, Horovod-wrapped optimizer, learning-rate schedule and fp16 scaler for rt.size
     ranks. Every rank gets its own random weights here: a mode broadcasts rank 0's (or a checkpoint's) next."""
     model = build_model_for(cfg, info, rt.device)
+    task = build_task(cfg, info)
+    materialise_lazy(model, task, info, rt.device, cfg.model.name)
     if cfg.model.freeze_patterns:  # before the optimizer: frozen parameters are not given to it
         frozen = freeze(model, cfg.model.freeze_patterns)
+        held = hold_batch_norm(model, frozen) if cfg.model.freeze_bn_stats else []
+        if held:
+            log.info("--freeze: %d BatchNorm layer(s) frozen with their running statistics (--model.freeze_bn_stats "
+                     "false keeps those updating)", len(held))
         log.info("--freeze %s: %d tensor(s) of %.2fM parameters kept fixed: %s", cfg.model.freeze, len(frozen),
                  sum(p.numel() for n, p in model.named_parameters() if n in frozen) / 1e6, ", ".join(frozen[:6]) +
                  (f" and {len(frozen) - 6} more" if len(frozen) > 6 else ""))
     # Horovod: the learning rate scaled with the global batch; gradients averaged across ranks by the optimizer.
     optimizer = build_distributed_optimizer(cfg, model, rt.size)
-    return Trainer(model=model, task=build_task(cfg), optimizer=optimizer,
+    return Trainer(model=model, task=task, optimizer=optimizer,
                    schedule=LRSchedule(cfg.optim, lr_scale(cfg, rt.size)), device=rt.device,
                    opts=StepOptions.from_config(cfg, rt.is_main), epochs=cfg.optim.epochs,
                    scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None)
+
+
+def materialise_lazy(model, task, info, device, name):
+    """Give lazy modules (nn.LazyLinear, nn.LazyConv2d, ...) their shapes from one training sample, on every rank,
+    before the optimizer takes the parameters and Horovod broadcasts them: an uninitialized parameter has no
+    storage to average or send. The forward runs in eval mode without gradients, so no BatchNorm statistic moves;
+    the values each rank draws are replaced by rank 0's in the broadcast that follows."""
+    if not any(is_lazy(p) for p in model.parameters()) or info.example is None:
+        return
+    batch = to_device(info.example(), device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            task.task.loss(model, batch)
+    except Exception as e:
+        raise ConfigError(f"--model={name}: its lazy modules could not take their shapes from a "
+                          f"training sample ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") \
+            from None
+    finally:
+        model.train(was_training)
+    left = [n for n, p in model.named_parameters() if is_lazy(p)]
+    if left:
+        raise ConfigError(f"--model={name}: lazy parameter(s) {', '.join(left[:3])} were not used by "
+                          f"a forward pass of a training sample, so they have no shape; use them in forward(), or "
+                          f"give their sizes")
 
 
 def attach_profiler(trainer, cfg, rt, run_dir):
@@ -191,7 +264,8 @@ def load_initial_weights(cfg, model):
     caller then broadcasts rank 0's weights (Horovod), so the file is read once, wherever it is."""
     if not cfg.model.init_from:
         return
-    report = hvd_utils.decide_on_root(lambda: load_matching(model, cfg.model.init_from), "init_from")
+    report = hvd_utils.decide_on_root(lambda: load_matching(model, cfg.model.init_from, cfg.model.init_partial),
+                                      "init_from")
     for line in report.lines(cfg.model.init_from):
         log.info(line)
 

@@ -147,4 +147,5 @@ def read_into(path, model, expect, optimizer=None):
             optimizer.load_state_dict(ckpt["optimizer"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: its weights do not fit this model ({str(e).splitlines()[0]})")
-    return {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "config")}
+    planned = (ckpt.get("config") or {}).get("optim", {}).get("epochs")
+    return {**{k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "config")}, "planned_epochs": planned}

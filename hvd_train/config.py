@@ -122,8 +122,12 @@ class ModelConfig(_Section):
     init_from: str = opt("", "start from the weights in this local file (.pt/.pth state dict, .safetensors, or an "
                          "hvd-train checkpoint): tensors whose name and shape match are loaded, the rest (a head for "
                          "another number of classes) stay freshly initialised; rank 0 reads, the others receive")
+    init_partial: bool = opt(False, "--init-from: load the matching tensors even when fewer than half of the "
+                             "model's do (by default such a file is refused as another network's weights)")
     freeze: str = opt("", "parameters to keep fixed, by name: globs separated by commas (conv1.*,bn1.*); they are "
                       "left out of the optimizer and of Horovod's allreduce")
+    freeze_bn_stats: bool = opt(True, "--freeze: BatchNorm layers whose parameters are all frozen also keep their "
+                                "running statistics (false: the statistics go on updating)")
     channels_last: bool = opt(False, "weights and batches in channels-last (NHWC) memory: faster --amp convs on GPUs")
     compile: bool = opt(False, "torch.compile the model (the first steps compile; README says when it pays)")
     compile_mode: str = opt("default", "torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune, "
@@ -172,6 +176,9 @@ class OptimConfig(_Section):
         _choice("optim.lr_schedule (--lr-schedule)", self.lr_schedule, LR_SCHEDULES)
         _require(self.warmup_epochs >= 0, "optim.warmup_epochs (--warmup-epochs)", self.warmup_epochs,
                  "must be 0 or more epochs")
+        _require(self.warmup_epochs == 0 or self.warmup_epochs < self.epochs, "optim.warmup_epochs (--warmup-epochs)",
+                 self.warmup_epochs, f"must be shorter than the {self.epochs} epoch(s) of training, or the rate never "
+                 f"reaches its scaled value; lower it, or raise --epochs")
         _require(all(isinstance(m, int) and m > 0 for m in self.lr_milestones) and
                  list(self.lr_milestones) == sorted(self.lr_milestones), "optim.lr_milestones", self.lr_milestones,
                  "must be increasing positive epochs, e.g. 30,60,80")
@@ -439,7 +446,7 @@ def _parse_int_tuple(text):
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers such as 30,60,80, got {text!r}")
 
 
-def _parse_mapping(text):
+def parse_mapping(text):
     """key=value,key=value -> a dict; each value is read as YAML (4, 0.5, true, a word), so it arrives typed."""
     import yaml
 
@@ -458,7 +465,7 @@ def _parse_mapping(text):
     return out
 
 
-_PARSERS = {bool: _parse_bool, tuple: _parse_int_tuple, int: int, float: float, str: str, dict: _parse_mapping}
+_PARSERS = {bool: _parse_bool, tuple: _parse_int_tuple, int: int, float: float, str: str, dict: parse_mapping}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -614,8 +621,10 @@ def _parse_yaml(text, path):
         loader.dispose()
 
 
-def load_recipe(path):
-    """Read a YAML recipe into {section: {field: value}}, refusing unknown sections, unknown keys and wrong types."""
+def load_recipe(path, known_only=False):
+    """Read a YAML recipe into {section: {field: value}}, refusing unknown sections, unknown keys and wrong types
+    (known_only: leaving out unknown sections and keys instead, for a run's config.json written by another
+    version)."""
     import yaml
 
     text = _read_text(path)
@@ -631,12 +640,16 @@ def load_recipe(path):
     sections = {s.name: s.type for s in dataclasses.fields(Config)}
     recipe = {}
     for section, values in raw.items():
+        if section not in sections and known_only:
+            continue
         if section not in sections:
             raise ConfigError(f"--config {path}: unknown section {section!r}; sections are: {', '.join(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"--config {path}: section {section!r} must be a mapping of field: value")
         known = {f.name: f for f in dataclasses.fields(sections[section])}
         for key, value in values.items():
+            if key not in known and known_only:
+                continue
             if key not in known:
                 raise ConfigError(f"--config {path}: unknown key {section}.{key}; {section} has: {', '.join(known)}")
             recipe.setdefault(section, {})[key] = _check_yaml_value(f"--config {path}: {section}.{key}",
@@ -645,7 +658,8 @@ def load_recipe(path):
 
 
 def parse_config(argv=None):
-    """Defaults < YAML recipe < command line; raises ConfigError (with the field named) on an invalid value."""
+    """Defaults < the run's recorded settings (resuming or evaluating) < YAML recipe < command line; raises
+    ConfigError (with the field named) on an invalid value."""
     args = vars(build_parser().parse_args(argv))
     values = load_recipe(args["config"]) if args.get("config") else {}
     given = {f"{section}.{f.name}": args[f"{section}.{f.name}"] for section, _, f in _fields()
@@ -654,10 +668,64 @@ def parse_config(argv=None):
     for key, value in given.items():
         section, name = key.split(".")
         values.setdefault(section, {})[name] = value
+    recorded_at = recorded_config(values)
+    notes = []
+    if recorded_at:
+        recorded = recorded_values(recorded_at)
+        refuse_code_from(recorded, recorded_at, args.get("trust_code"), given)
+        notes = changes_from(recorded, values, recorded_at)
+        for section, fields in recorded.items():
+            values[section] = {**fields, **values.get(section, {})}
     if args.get("config") and "name" not in values.get("run", {}):
         values.setdefault("run", {})["name"] = os.path.splitext(os.path.basename(args["config"]))[0]
     built = {s.name: s.type(**values.get(s.name, {})) for s in dataclasses.fields(Config)}
-    return Config(**built)
+    cfg = Config(**built)
+    cfg.notes = notes  # lines for the log, not a setting: what this run changed from its recorded settings
+    return cfg
+
+
+# What a resumed or evaluated run never takes from the recorded settings: where it is and what it does now.
+NOT_RECORDED = {"run": ("output_dir", "evaluate", "overwrite"), "checkpoint": ("resume",)}
+RECORDED = "config.json"  # the resolved settings a run writes into its output directory (hvd_train/run_dir.py)
+
+
+def recorded_config(values):
+    """The config.json of the run a --resume or --evaluate continues (beside the checkpoint's checkpoints/ folder,
+    or in --output-dir for --resume auto), or None."""
+    resume = values.get("checkpoint", {}).get("resume")
+    if not resume:
+        return None
+    if resume == "auto":
+        folder = values.get("run", {}).get("output_dir", RunConfig.output_dir)
+    else:
+        parent = os.path.dirname(os.path.abspath(resume))
+        folder = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
+    path = os.path.join(folder, RECORDED)
+    return path if os.path.isfile(path) else None
+
+
+def recorded_values(path):
+    """The settings recorded at `path`, less those a continuing run decides itself and any this version lacks."""
+    recorded = load_recipe(path, known_only=True)
+    for section, names in NOT_RECORDED.items():
+        for name in names:
+            recorded.get(section, {}).pop(name, None)
+    return recorded
+
+
+def changes_from(recorded, values, path):
+    """One line per setting given again with another value than the run recorded."""
+    notes = []
+    for section, fields in values.items():
+        for name, value in fields.items():
+            before = recorded.get(section, {}).get(name)
+            if name in recorded.get(section, {}) and _same(before, value) is False:
+                notes.append(f"{section}.{name}: {before!r} -> {value!r} (recorded in {path})")
+    return notes
+
+
+def _same(a, b):
+    return tuple(a) == tuple(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
 
 
 def config_from_dict(values):

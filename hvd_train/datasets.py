@@ -4,8 +4,8 @@ import dataclasses
 
 from torch.utils.data import IterableDataset
 
-import data
-from data import datasets_from, is_streamed
+from hvd_train import data
+from hvd_train.data import datasets_from, is_streamed
 from hvd_train.errors import ConfigError
 from hvd_train.plugins import call, resolve, takes
 

@@ -19,7 +19,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from hostfiles.validate import HostListError, parse, read_lines, resolve, windows_line_ending
+from hvd_train.hostfiles.validate import HostListError, parse, read_lines, resolve, windows_line_ending
 
 SSH_TIMEOUT = 60  # seconds for one ssh command: a host that does not answer within it is reported, not waited on
 

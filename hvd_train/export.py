@@ -19,8 +19,9 @@ import warnings
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils.data import default_collate
 
-from data import DataError
+from hvd_train.data import DataError
 from hvd_train.config import config_from_dict
 from hvd_train.errors import CheckpointError, ConfigError, say
 from hvd_train.inference import FORMATS, SIDECAR, export_runner, find_checkpoint, load_trained, outputs
@@ -67,9 +68,11 @@ class Batch:
     described: str  # where the samples come from, for the printed check
 
 
-def validation_batch(ckpt, count, data_dir, where, trusted):
-    """The first `count` validation samples of the run's data set, as the run's validation read them. The data set
-    is rebuilt from the checkpoint's stored config, which names code only with --trust-code."""
+def validation_batch(ckpt, model, count, data_dir, where, trusted):
+    """The model's input for the first `count` validation samples of the run's data set, as the run's validation
+    fed them: the samples collated as the loader collates them (tuples, dicts, nested), then given to the run's task,
+    whose call of the model is captured. The data set and task are rebuilt from the checkpoint's stored config, which
+    names code only with --trust-code."""
     stored = ckpt.get("config") or {}
     if not isinstance(stored, dict) or not all(isinstance(v, dict) for v in stored.values()):
         raise CheckpointError(f"{where}: its stored config is not one hvd-train wrote")
@@ -81,9 +84,10 @@ def validation_batch(ckpt, count, data_dir, where, trusted):
     data = replace(cfg.data, download=False, workers=0, data_dir=data_dir or cfg.data.data_dir)
     cfg = replace(cfg, data=data)
     try:
-        from hvd_train.build import prepare_data
+        from hvd_train.build import build_task, prepare_data
 
-        _, val_set, _ = prepare_data(cfg)
+        _, val_set, info = prepare_data(cfg)
+        task = build_task(cfg, info)
     except (DataError, ConfigError, OSError) as e:
         raise CheckpointError(f"the parity check needs the run's validation data, which cannot be read: {e} (pass "
                               f"--data-dir where the {cfg.data.dataset} data is now)") from None
@@ -91,9 +95,42 @@ def validation_batch(ckpt, count, data_dir, where, trusted):
     if count < 2:
         raise CheckpointError(f"the parity check needs 2 validation samples or more; {cfg.data.dataset} has "
                               f"{len(val_set)}")
-    images = torch.stack([val_set[i][0] for i in range(count)])
+    images = model_input(model, task, default_collate([val_set[i] for i in range(count)]))
     where = "" if cfg.data.dataset in ("digits", "synthetic") else f" ({cfg.data.data_dir})"  # (no files)
     return Batch(images, f"{count} validation samples of {cfg.data.dataset}{where}")
+
+
+def model_input(model, task, batch):
+    """The tensor the task hands the model for `batch` (captured in a forward pre-hook, the task run without
+    gradients). An export takes one input tensor: a model called with several is refused by name."""
+    seen = []
+
+    def capture(module, args, kwargs):
+        seen.append((args, kwargs))
+        raise _Captured()
+
+    handle = model.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            task.task.loss(model, batch)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise ExportError(f"the task ({type(task).__name__}) did not call the model on a validation batch, so its "
+                          f"input is unknown")
+    args, kwargs = seen[0]
+    tensors = [a for a in args if torch.is_tensor(a)]
+    if len(tensors) != 1 or len(args) != 1 or kwargs:
+        raise ExportError(f"the task calls the model with {len(args)} positional and {len(kwargs)} keyword "
+                          f"argument(s); an export takes one input tensor (a batch of images): give the model one "
+                          f"tensor, or export its weights with --format safetensors")
+    return tensors[0]
+
+
+class _Captured(Exception):
+    """Stops the task once the model's input is known: the forward itself is not needed."""
 
 
 @contextlib.contextmanager
@@ -230,7 +267,7 @@ def export(args):
     out = args.out or default_out(path, args.format)
     if os.path.exists(out) and not args.overwrite:
         raise CheckpointError(f"--out {out}: exists; pass --overwrite to replace it, or another --out")
-    batch = validation_batch(ckpt, args.samples, args.data_dir, path, args.trust_code)
+    batch = validation_batch(ckpt, model, args.samples, args.data_dir, path, args.trust_code)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fd, tmp = temporary_beside(out)
     os.close(fd)  # the writers below take a path

@@ -55,8 +55,8 @@ def outputs(result):
         return [result]
     if isinstance(result, (tuple, list)):
         return [t for r in result for t in outputs(r)]
-    if isinstance(result, dict):
-        return [t for k in sorted(result) for t in outputs(result[k])]
+    if isinstance(result, dict):  # in the model's own order of keys, as torch.export (and so ONNX) flattens them
+        return [t for k in result for t in outputs(result[k])]
     raise TypeError(f"the model returned a {type(result).__name__}; exports need tensors, tuples or dicts of them")
 
 

@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
+from torch.nn.parameter import is_lazy
 
-import models
-from data.preprocessing import CLASS_NAMES, Preprocessing, of_builtin
+from hvd_train import models
+from hvd_train.data.preprocessing import CLASS_NAMES, Preprocessing, of_builtin
 from hvd_train.errors import CheckpointError, ConfigError
 from hvd_train.plugins import call, resolve
 from hvd_train.trust import refuse_code_from
@@ -65,7 +66,9 @@ class ModelCard:
         except Exception:  # a factory that cannot build without real tensors: its weights are checked on loading
             planned = None
         if planned is not None:
-            wanted = {k: tuple(v.shape) for k, v in planned.state_dict().items()}
+            # A lazy module's parameters have no shape until they are loaded: they take the file's.
+            wanted = {k: tuple(shapes.get(k, ())) if is_lazy(v) else tuple(v.shape)
+                      for k, v in planned.state_dict().items()}
             if wanted != {k: tuple(v) for k, v in shapes.items()}:
                 extra = sorted(set(wanted) ^ set(shapes)) or [k for k in wanted if wanted[k] != tuple(shapes[k])]
                 arguments = self.model_args or "no arguments"

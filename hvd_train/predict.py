@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from data.errors import UNREADABLE_IMAGE
-from data.imagefolder import is_image_file
+from hvd_train.data.errors import UNREADABLE_IMAGE
+from hvd_train.data.imagefolder import is_image_file
 from hvd_train.errors import CheckpointError, ConfigError, say
 from hvd_train.inference import load_runner
 from hvd_train.trust import TRUST_FLAG

@@ -16,6 +16,7 @@ from hvd_train.metrics import improved, reached
 from hvd_train.model_card import card_for
 from hvd_train.reporting import Reporter, seconds_since_start
 from hvd_train.run_dir import RunDir
+from hvd_train.schedule import lr_factor
 
 log = logging.getLogger("hvd_train")
 
@@ -224,6 +225,20 @@ def resume(path, trainer, state, fits):
     restore_rng(meta)
     state.load(meta)
     state.resumed(path, hvd_utils.world_size(), meta.get("world_size"))
+    say_schedule_change(trainer.schedule, meta.get("planned_epochs"), meta["epoch"])
+
+
+def say_schedule_change(schedule, planned, epoch):
+    """A resume with another --epochs than the checkpoint's run planned changes the cosine schedule from here on
+    (it decays to 0 at the new end): said in one line, with the rate it changes."""
+    c = schedule.cfg
+    if not planned or planned == c.epochs or c.lr_schedule != "cosine":
+        return
+    before = c.lr * schedule.lr_scale * lr_factor(epoch, planned, c.lr_schedule, c.warmup_epochs,
+                                                  1.0 / schedule.lr_scale)
+    log.info("--epochs %d where the checkpoint's run planned %d: the cosine schedule now decays to 0 over %d epochs, "
+             "so the learning rate after epoch %d is %.4g (it was %.4g on the old plan)", c.epochs, planned, c.epochs,
+             epoch, schedule.lr(epoch), before)
 
 
 def load_everywhere(path, model, expect, optimizer=None):

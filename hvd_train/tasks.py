@@ -27,9 +27,15 @@ from hvd_train.plugins import call
 
 
 class Classification:
-    """Cross-entropy on logits; top-1 and top-5 accuracy in percent. batch: (inputs, class indices)."""
+    """Cross-entropy on logits; top-1 and top-5 accuracy in percent (top-5 only with more than 5 classes, where it
+    is not always 100%). batch: (inputs, class indices)."""
     metrics = ("acc1", "acc5")
     best_metric, best_mode = "val_acc1", "max"
+    percent = ("acc1", "acc5")  # metrics in percent: a --stop-at above 100 can never be reached
+
+    def __init__(self, num_classes=None):
+        if num_classes is not None and num_classes <= 5:
+            self.metrics = ("acc1",)
 
     def loss(self, model, batch):
         inputs, labels = batch[0], batch[1]
@@ -40,7 +46,8 @@ class Classification:
         labels = batch[1]
         # One topk serves both accuracies: its first column is the argmax.
         hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels.unsqueeze(1)
-        return {"acc1": 100.0 * hits[:, 0].sum(), "acc5": 100.0 * hits.any(dim=1).sum()}
+        sums = {"acc1": 100.0 * hits[:, 0].sum(), "acc5": 100.0 * hits.any(dim=1).sum()}
+        return {k: sums[k] for k in self.metrics}
 
 
 class VAE:
@@ -166,6 +173,7 @@ def builtin_task(name):
     return RunTask(TASKS[name](), name)
 
 
-def build_task(factory, name, args):
-    """The task a class (or a factory) makes with the --task-args, checked."""
-    return RunTask(call(factory, {}, args, "--task-args", name), name)
+def build_task(factory, name, args, facts=None):
+    """The task a class (or a factory) makes with the data's facts it names (num_classes, ...) and the --task-args,
+    checked."""
+    return RunTask(call(factory, facts or {}, args, "--task-args", name), name)

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from hvd_train.errors import ConfigError
 
@@ -58,24 +59,44 @@ class InitReport:
     missing: list = field(default_factory=list)   # in the model, not in the file
     unused: list = field(default_factory=list)    # in the file, not in the model
 
+    @property
+    def total(self):
+        return len(self.loaded) + len(self.reshaped) + len(self.missing)
+
     def lines(self, path):
-        total = len(self.loaded) + len(self.reshaped) + len(self.missing)
-        yield f"--init-from {path}: loaded {len(self.loaded)} of the model's {total} tensors"
+        yield f"--init-from {path}: loaded {len(self.loaded)} of the model's {self.total} tensors"
         if self.reshaped:
-            yield "  re-initialised, another shape in the file (a head for another number of classes): " + ", ".join(
-                f"{n} {list(a)} -> {list(b)}" for n, a, b in self.reshaped)
+            yield "  re-initialised, another shape in the file: " + ", ".join(
+                f"{n} {list(a)} -> {list(b)} ({why_reshaped(a, b)})" for n, a, b in self.reshaped)
         if self.missing:
             yield "  not in the file, left as initialised: " + _few(self.missing)
         if self.unused:
             yield "  in the file but not in the model, ignored: " + _few(self.unused)
 
 
+def why_reshaped(in_file, in_model):
+    """What a shape difference means: another number of outputs (a classifier head for another number of classes),
+    of inputs (a first layer for another number of image channels), or another shape altogether."""
+    if len(in_file) == len(in_model) and len(in_file) >= 1 and in_file[1:] == in_model[1:]:
+        return f"{in_file[0]} outputs in the file, {in_model[0]} here: a head for another number of classes"
+    if len(in_file) == len(in_model) and len(in_file) >= 2 and in_file[0] == in_model[0] and \
+            in_file[2:] == in_model[2:]:
+        return (f"{in_file[1]} inputs in the file, {in_model[1]} here: a first layer for another number of input "
+                f"channels")
+    return "another shape"
+
+
 def _few(names, shown=8):
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
-def load_matching(model, path):
-    """Load into `model` every tensor of the file at `path` whose name and shape match; returns the InitReport."""
+SHARE = 0.5  # below this share of the model's tensors loaded, the file is taken for another network's weights
+
+
+def load_matching(model, path, partial=False):
+    """Load into `model` every tensor of the file at `path` whose name and shape match; returns the InitReport. A
+    file of which fewer than SHARE of the model's tensors load is refused (most likely another network's weights),
+    unless `partial` (--model.init_partial) asks for that."""
     source = read_state_dict(path)
     target = model.state_dict()
     report, update = InitReport(), {}
@@ -94,6 +115,13 @@ def load_matching(model, path):
         raise ConfigError(f"--init-from {path}: none of its {len(source)} tensors fits this model (names such as "
                           f"{_few(sorted(source), 3)}; the model has {_few(sorted(wanted), 3)}); is it the weights "
                           f"of another architecture?")
+    if len(report.loaded) < SHARE * report.total and not partial:
+        shown = "; ".join(f"{n} {list(a)} -> {list(b)} ({why_reshaped(a, b)})" for n, a, b in report.reshaped[:2])
+        raise ConfigError(f"--init-from {path}: only {len(report.loaded)} of the model's {report.total} tensors fit "
+                          f"(fewer than {SHARE:.0%}): {len(report.missing)} are not in the file"
+                          f"{', ' + str(len(report.reshaped)) + ' have another shape (' + shown + ')' if shown else ''}"
+                          f"; is it the weights of another network? Pass --model.init_partial to load the "
+                          f"{len(report.loaded)} anyway")
     model.load_state_dict(update, strict=False)
     return report
 
@@ -113,3 +141,20 @@ def freeze(model, patterns):
         if n in frozen:
             p.requires_grad_(False)
     return frozen
+
+
+def hold_batch_norm(model, frozen):
+    """BatchNorm layers whose parameters are all frozen keep their running statistics too (they stay in eval mode
+    through every forward, whatever model.train() says): a frozen backbone is the network as it was trained, and
+    statistics drifting under it would change its features. Returns their names."""
+    held = []
+    for name, module in model.named_modules():
+        params = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and params and all(p in frozen for p in params):
+            module.register_forward_pre_hook(_in_eval_mode)
+            held.append(name)
+    return held
+
+
+def _in_eval_mode(module, args):
+    module.training = False

@@ -8,10 +8,10 @@ import functools
 
 import torch
 
-from models.small_cnn import SmallCNN
-from models.timm_models import build_timm, timm_names
-from models.torchvision_models import build_torchvision, probe, torchvision_names
-from models.vae import VAE
+from hvd_train.models.small_cnn import SmallCNN
+from hvd_train.models.timm_models import build_timm, timm_names
+from hvd_train.models.torchvision_models import build_torchvision, probe, torchvision_names
+from hvd_train.models.vae import VAE
 
 
 def _small_cnn(in_channels, num_classes, image_size, width=32):

@@ -239,6 +239,24 @@ def patches(cxx_standard):
          "        os.execve('/bin/sh', ['/bin/sh', '-c', 'exec ' + mpirun_command], env)",
          "under horovodrun --mpi, kill -INT or kill -TERM of horovodrun's pid reached only a /bin/sh wrapper, and "
          "training went on"),
+        ("horovod/runner/launch.py",
+         "    _run(args)\n\n\nif __name__ == '__main__':\n",
+         "    # hvd-train: a job ended because a rank exited non-zero is one line with that rank's exit code: the\n"
+         "    # rank has said why above it (a refused setting, a bad file); a traceback of the launcher hid that.\n"
+         "    try:\n"
+         "        _run(args)\n"
+         "    except RuntimeError as e:\n"
+         "        import re\n"
+         "        failed = re.search(r'Process name: (\\S+)\\s+Exit code: (-?\\d+)', str(e))\n"
+         "        if failed is None:\n"
+         "            raise\n"
+         "        code = int(failed.group(2))\n"
+         "        sys.stderr.write(f'horovodrun: rank {failed.group(1)} exited with status {code}, so the job was '\n"
+         "                         f'ended; its own output above says why\\n')\n"
+         "        sys.exit(128 - code if code < 0 else code or 1)\n"
+         "\n\nif __name__ == '__main__':\n",
+         "after a rank's one-line error (exit 2), horovodrun --gloo printed a 20-line Python traceback of its own "
+         "and exited 1; it now says which rank ended the job and exits with that rank's code"),
     ]
 
 

@@ -16,7 +16,7 @@ def _conv_weights(state_dict):
 
 
 def test_weights_and_every_batch_are_channels_last_and_the_outputs_unchanged():
-    from models import build_model, is_channels_last, to_channels_last
+    from hvd_train.models import build_model, is_channels_last, to_channels_last
 
     torch.manual_seed(0)
     plain = build_model("small_cnn", 3, 10, 12).eval()

@@ -8,10 +8,10 @@ from torch.utils.data import TensorDataset
 
 from hvd_train.config import DataConfig
 from hvd_train.datasets import build_datasets
-from data import DataError, LoaderSpec, build_loaders
-from data.digits import load_digits_dataset, read_digits
-from data.samplers import ShardSampler
-from data.split import split_indices
+from hvd_train.data import DataError, LoaderSpec, build_loaders
+from hvd_train.data.digits import load_digits_dataset, read_digits
+from hvd_train.data.samplers import ShardSampler
+from hvd_train.data.split import split_indices
 from conftest import ROOT
 from formats import (write_cifar10, write_cifar100_binary, write_cifar_python, write_desktop_litter,
                      write_image_folder, write_mnist, write_stl10)
@@ -290,7 +290,7 @@ def test_files_that_are_not_images_by_name_are_ignored_not_counted(tmp_path, ski
 
 
 def test_a_corrupt_image_is_named_when_read_and_left_out_when_asked(tmp_path):
-    from data import BadSampleError
+    from hvd_train.data import BadSampleError
 
     write_image_folder(tmp_path, per_class=4, size=8)
     (tmp_path / "owl" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
@@ -305,7 +305,7 @@ def test_a_corrupt_image_is_named_when_read_and_left_out_when_asked(tmp_path):
 
 
 def test_a_corrupt_image_met_in_a_loader_worker_keeps_its_one_line_message(tmp_path):
-    from data import BadSampleError
+    from hvd_train.data import BadSampleError
 
     write_image_folder(tmp_path, classes=("a", "b"), per_class=2, size=8, ext="jpg")
     jpeg = tmp_path / "b" / "1.jpg"

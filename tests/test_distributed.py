@@ -21,7 +21,7 @@ def test_one_step_on_2_ranks_equals_1_rank_with_double_batch(tmp_path, worker, l
 
 
 def _initial_params():
-    from models import build_model
+    from hvd_train.models import build_model
 
     torch.manual_seed(0)
     return build_model("small_cnn", 1, 10, 8).state_dict()

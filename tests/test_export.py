@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import BIN, ROOT, job_env, run_app
-from data.imagefolder import transforms
+from hvd_train.data.imagefolder import transforms
 from formats import write_image_folder
 
 PLUGIN = '''
@@ -75,8 +75,7 @@ def checkpoint_model(run_dir):
     facts the checkpoint records, its weights."""
     import sys
 
-    import models
-
+    from hvd_train import models
     ckpt = torch.load(run_dir / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
     card = ckpt["model_card"]
     if ":" in card["model"]:

@@ -44,7 +44,7 @@ def test_a_rank_that_raises_reports_once_and_the_job_ends(tmp_path, launcher):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("launcher,names_the_rank", [("horovodrun-gloo", "Process name: 1"),
+@pytest.mark.parametrize("launcher,names_the_rank", [("horovodrun-gloo", "horovodrun: rank 1 exited with status"),
                                                      ("mpirun", "process rank 1")])
 def test_a_killed_rank_ends_the_job_with_the_rank_named(tmp_path, launcher, names_the_rank):
     proc, seconds = faulty(launcher, tmp_path, "kill")

@@ -4,7 +4,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import assert_refused, read_json, run_app
-from models import build_model
+from hvd_train.models import build_model
 
 DIGITS_CNN = ["--model", "small_cnn", "--batch-size", "16"]
 

@@ -10,8 +10,8 @@ pytestmark = pytest.mark.distributed
 
 def initial_and_grads(batch, ranks):
     """The worker's starting model and each rank's gradient, computed here in one process."""
-    from data.digits import load_digits_dataset
-    from models import build_model
+    from hvd_train.data.digits import load_digits_dataset
+    from hvd_train.models import build_model
 
     digits = load_digits_dataset()
     torch.manual_seed(0)
@@ -78,7 +78,7 @@ def test_sync_bn_replaces_every_batch_norm_and_keeps_its_state():
     import horovod.torch as hvd
 
     from hvd_utils import sync_batch_norm
-    from models import build_model
+    from hvd_train.models import build_model
 
     model = build_model("resnet18", 3, 10, 32)
     model.bn1.running_mean.fill_(0.25)

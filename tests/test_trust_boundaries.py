@@ -311,7 +311,7 @@ def test_a_planted_link_at_a_temporary_name_is_never_written_through(tmp_path):
 
 
 def test_every_data_set_downloads_over_https_with_a_published_checksum():
-    from data import cifar, mnist, stl10
+    from hvd_train.data import cifar, mnist, stl10
     from torchvision import datasets
 
     assert cifar.CIFAR10.url.startswith("https://") and cifar.CIFAR10.md5 == datasets.CIFAR10.tgz_md5
@@ -350,8 +350,8 @@ def a_tar(path, members):
 
 
 def test_a_tampered_cifar_archive_fails_its_checksum_and_leaves_nothing(tmp_path, web):
-    from data import cifar
-    from data.errors import DataError
+    from hvd_train.data import cifar
+    from hvd_train.data.errors import DataError
 
     www, base = web
     a_tar(www / "cifar-10-python.tar.gz", [("cifar-10-batches-py/data_batch_1", b"tampered")])
@@ -364,8 +364,8 @@ def test_a_tampered_cifar_archive_fails_its_checksum_and_leaves_nothing(tmp_path
 @pytest.mark.parametrize("member", [("../escaped.txt", b"x"), ("/tmp/absolute-hvd-test.txt", b"x"),
                                     ("cifar/link", ("link", "/etc/passwd"))])
 def test_an_archive_member_outside_the_target_refuses_the_archive(tmp_path, web, member):
-    from data.download import fetch
-    from data.errors import DataError
+    from hvd_train.data.download import fetch
+    from hvd_train.data.errors import DataError
     from torchvision.datasets.utils import calculate_md5
 
     www, base = web
@@ -450,8 +450,8 @@ def peak_of(call):
 
 
 def test_a_gzip_bomb_posing_as_mnist_is_refused_from_its_header(tmp_path):
-    from data.errors import DataError
-    from data.mnist import read_idx
+    from hvd_train.data.errors import DataError
+    from hvd_train.data.mnist import read_idx
 
     bomb = tmp_path / "train-images-idx3-ubyte.gz"
     with gzip.open(bomb, "wb") as f:
@@ -472,8 +472,8 @@ def test_a_gzip_bomb_posing_as_mnist_is_refused_from_its_header(tmp_path):
 
 
 def test_a_cifar_pickle_of_shared_references_is_refused_before_it_expands(tmp_path):
-    from data.cifar import CIFAR10, read_python_batch
-    from data.errors import DataError
+    from hvd_train.data.cifar import CIFAR10, read_python_batch
+    from hvd_train.data.errors import DataError
 
     row = [0] * 3072
     path = tmp_path / "data_batch_1"
@@ -536,8 +536,8 @@ def test_settings_that_allocate_per_worker_have_an_upper_bound(flag, value, name
 
 
 def test_a_shard_index_with_an_absurd_count_or_size_is_refused(tmp_path):
-    from data.errors import DataError
-    from data.shards import read_index
+    from hvd_train.data.errors import DataError
+    from hvd_train.data.shards import read_index
 
     index = {"format": "hvd-train shards", "version": 1, "facts": {"num_classes": 10}, "shards": {"a.tar": 10**12}}
     (tmp_path / "index.json").write_text(json.dumps(index))

@@ -17,7 +17,7 @@ from hvd_train.run_dir import RunDir
 from hvd_train.schedule import LRSchedule, lr_factor
 from hvd_train.tasks import builtin_task
 from hvd_utils import lr_scale
-from models import build_model, model_names, model_task
+from hvd_train.models import build_model, model_names, model_task
 
 
 @pytest.mark.parametrize("world,accumulate,adasum,expected", [(1, 1, False, 1), (8, 1, False, 8), (32, 2, False, 64),

@@ -12,17 +12,32 @@ import statistics
 import time
 
 import torch
+from torch.utils.data import default_collate
 
 import hvd_utils
-from data import DataInfo, native_size
-from hvd_train.build import attach_profiler, build_trainer
-from hvd_train.engine import Hooks, train_one_epoch
-from hvd_train.errors import NonFiniteLossError
+from hvd_train.data import DataInfo, is_streamed, native_size
+from hvd_train.build import attach_profiler, build_trainer, prepare_data
+from hvd_train.engine import Hooks, to_device, train_one_epoch
+from hvd_train.errors import ConfigError, NonFiniteLossError
+from hvd_train.plugins import is_import_path
+from hvd_train.tasks import samples_in
 from hvd_train.reporting import seconds_since_start
 from hvd_train.run_dir import RunDir, write_json
-from models import MODELS as SMALL_MODELS, is_channels_last
+from hvd_train.models import MODELS as SMALL_MODELS, is_channels_last
 
 log = logging.getLogger("hvd_train")
+
+
+def samples_batch(cfg, train_set, device):
+    """One batch of the data set's own first samples (cycled where it has fewer), collated as the loader collates
+    them, held on the device: a user's task may take any sample structure (dicts, nested), which only its data has."""
+    n = cfg.optim.batch_size * cfg.horovod.batches_per_allreduce
+    return to_device(default_collate([train_set[i % len(train_set)] for i in range(n)]), device)
+
+
+def uses_own_data(cfg):
+    """A user's task or data set: its batches are timed as its data makes them, not as random images."""
+    return is_import_path(cfg.model.task) or is_import_path(cfg.data.dataset)
 
 
 def synthetic_batch(cfg, info, device):
@@ -47,7 +62,7 @@ def time_iterations(trainer, batch, b):
     """(seconds of the first step, images/s of each timed iteration) on this rank: b.num_warmup_batches steps
     outside the timed ones (the first timed alone: it holds torch.compile's compilation), then b.num_iters timed
     runs of b.num_batches_per_iter steps through engine.train_one_epoch. No warm-up: no first-step time (None)."""
-    images, hooks = batch[0], _AtStart()
+    samples, hooks = samples_in(batch), _AtStart()
     first_step_seconds = None
     if b.num_warmup_batches:
         start = time.perf_counter()
@@ -61,7 +76,7 @@ def time_iterations(trainer, batch, b):
         train_one_epoch(trainer, [batch] * b.num_batches_per_iter, 1, hooks)
         if trainer.device.type == "cuda":
             torch.cuda.synchronize(trainer.device)  # the last kernels belong to this iteration's time
-        rates.append(images.shape[0] * b.num_batches_per_iter / (time.perf_counter() - start))
+        rates.append(samples * b.num_batches_per_iter / (time.perf_counter() - start))
     return first_step_seconds, rates
 
 
@@ -84,6 +99,12 @@ def run(cfg, rt):
     native = native_size("mnist" if cfg.model.name in SMALL_MODELS else "synthetic")
     size = cfg.data.image_size or native
     info = DataInfo(channels, classes, size, 0, 0)
+    if uses_own_data(cfg):
+        train_set, _, info = prepare_data(cfg)
+        if is_streamed(train_set):
+            raise ConfigError("--benchmark times a batch held in memory: with --dataset shards, leave out --task, "
+                              "or benchmark your data set's own factory")
+        channels = info.in_channels
     run_dir = RunDir(cfg.run.output_dir)
     hvd_utils.decide_on_root(lambda: run_dir.claim_for_benchmark(cfg.run.overwrite), "output_dir")
     trainer = build_trainer(cfg, info, rt)
@@ -91,14 +112,17 @@ def run(cfg, rt):
     trainer.opts.show_progress = False  # steps are timed: no bar
     hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
     b = cfg.benchmark
-    log.info("benchmark: model %s, %dx%dx%d images, batch %d per rank x %d rank(s), %d warm-up steps, %d "
+    inputs = f"{cfg.data.dataset}'s samples" if uses_own_data(cfg) else \
+        f"{channels}x{info.image_size}x{info.image_size} images"
+    log.info("benchmark: model %s, %s, batch %d per rank x %d rank(s), %d warm-up steps, %d "
              "iterations of %d steps; device %s, %d CPU thread(s) per rank, controller %s, amp %s%s%s", cfg.model.name,
-             channels, info.image_size, info.image_size, cfg.optim.batch_size, rt.size, b.num_warmup_batches,
+             inputs, cfg.optim.batch_size, rt.size, b.num_warmup_batches,
              b.num_iters, b.num_batches_per_iter, rt.device, rt.threads, rt.controller, cfg.optim.amp,
              ", channels-last" if cfg.model.channels_last else "",
              f", torch.compile mode {cfg.model.compile_mode}" if cfg.model.compile else "")
 
-    first_step_seconds, rates = time_iterations(trainer, synthetic_batch(cfg, info, rt.device), b)
+    batch = samples_batch(cfg, train_set, rt.device) if uses_own_data(cfg) else synthetic_batch(cfg, info, rt.device)
+    first_step_seconds, rates = time_iterations(trainer, batch, b)
     if trainer.profiler is not None:
         trainer.profiler.close()
     rates_by_rank = hvd_utils.gather_floats(rates, name="benchmark_rates")  # a collective: every rank

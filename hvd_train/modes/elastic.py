@@ -9,7 +9,7 @@ import dataclasses
 import logging
 
 import hvd_utils
-from data import build_loaders, check_world, is_streamed
+from hvd_train.data import build_loaders, check_world, is_streamed
 from hvd_train.build import (attach_profiler, build_trainer, check_shards, load_initial_weights, loader_spec, lr_scale,
                              prepare_data)
 from hvd_train.engine import Hooks, fit

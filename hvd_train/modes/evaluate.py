@@ -3,7 +3,7 @@ import logging
 import os
 
 import hvd_utils
-from data import build_loaders
+from hvd_train.data import build_loaders
 from hvd_train.build import build_model_for, build_task, loader_spec, prepare_data
 from hvd_train.engine import evaluate_all
 from hvd_train.errors import CheckpointError
@@ -20,7 +20,7 @@ def run(cfg, rt):
     path = hvd_utils.decide_on_root(lambda: run_dir.resolve(cfg.checkpoint.resume), "evaluate")
     if path is None:
         raise CheckpointError(f"--evaluate --resume auto: no checkpoint in {run_dir.checkpoints} to evaluate")
-    task = build_task(cfg)
+    task = build_task(cfg, info)
     model = build_model_for(cfg, info, rt.device)
     meta = load_everywhere(path, model, checkpoint_fits(cfg, info, task, continuing=False))
     metrics = evaluate_all(model, task, val_loader, rt.device, cfg.optim.amp)

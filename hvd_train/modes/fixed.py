@@ -20,6 +20,9 @@ def run(cfg, rt):
     # batch and the optimizer averages gradients across ranks.
     info, (train_loader, val_loader, train_sampler) = build_data(cfg, rt)
     trainer = build_trainer(cfg, info, rt)
+    # --init-from on rank 0, before the output directory is claimed: a file that does not fit leaves nothing behind
+    # (a resumed run then replaces these weights with its checkpoint's).
+    load_initial_weights(cfg, trainer.model)
     # Rank 0 looks at the output directory: continue, replace or refuse, so an earlier run is never clobbered.
     run_dir = RunDir(cfg.run.output_dir)
     resume_from = hvd_utils.decide_on_root(lambda: run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite),
@@ -32,7 +35,6 @@ def run(cfg, rt):
         else:
             if cfg.checkpoint.resume:
                 log.info("--resume auto: no checkpoint in %s yet, starting afresh", run_dir.checkpoints)
-            load_initial_weights(cfg, trainer.model)  # --init-from, on rank 0
             # Horovod: every rank starts from rank 0's weights and optimizer state.
             hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
         outputs = outputs_for(cfg, info, trainer.task, rt.is_main, state, run_dir)

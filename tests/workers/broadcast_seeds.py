@@ -9,7 +9,7 @@ import sys
 import torch
 
 import hvd_utils
-from models import build_model
+from hvd_train.models import build_model
 from hvd_train import engine
 from hvd_train.engine import StepOptions, Trainer
 from hvd_train.tasks import builtin_task

@@ -10,13 +10,13 @@ import sys
 import torch
 
 import hvd_utils
-from data import LoaderSpec, build_loaders
+from hvd_train.data import LoaderSpec, build_loaders
 from hvd_train import engine
 from hvd_train.config import DataConfig, OptimConfig
 from hvd_train.datasets import build_datasets
 from hvd_train.schedule import LRSchedule
 from hvd_train.tasks import builtin_task
-from models import build_model
+from hvd_train.models import build_model
 
 
 def main(out_dir):

@@ -16,7 +16,7 @@ import torch
 
 import hvd_utils
 from hvd_train.config import parse_config
-from data import DataInfo
+from hvd_train.data import DataInfo
 from hvd_train.build import build_model_for
 
 

@@ -13,8 +13,8 @@ import argparse
 import torch
 
 import hvd_utils
-from data.digits import load_digits_dataset
-from models import build_model, to_channels_last
+from hvd_train.data.digits import load_digits_dataset
+from hvd_train.models import build_model, to_channels_last
 from hvd_train import engine
 from hvd_train.engine import StepOptions, Trainer
 from hvd_train.tasks import builtin_task

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import hvd_utils
-from data import LoaderSpec, build_loaders
+from hvd_train.data import LoaderSpec, build_loaders
 from hvd_train import engine
 from hvd_train.tasks import builtin_task
 
