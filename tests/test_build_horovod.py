@@ -71,6 +71,9 @@ def fake_sdist(root):
           "        config = 'Debug' if self.debug or os.environ.get('HOROVOD_DEBUG') == \"1\" else 'RelWithDebInfo'\n")
     write(root / "horovod/runner/mpi_run.py",
           "    else:\n        os.execve('/bin/sh', ['/bin/sh', '-c', mpirun_command], env)\n")
+    write(root / "horovod/runner/launch.py",
+          "import sys\n\n\ndef run_commandline():\n    args = parse_args()\n\n    _run(args)\n\n\n"
+          "if __name__ == '__main__':\n    run_commandline()\n")
     write(root / "horovod/runner/common/util/safe_shell_exec.py",
           "def terminate_executor_shell_and_children(pid):\n    p = psutil.Process(pid)\n"
           "    try:\n        p.wait(timeout=GRACEFUL_TERMINATION_TIME_S)\n    except psutil.TimeoutExpired:\n"
@@ -92,6 +95,32 @@ def test_patches_raise_the_standard_everywhere_and_let_cpu_builds_ignore_cuda_to
     assert "HVD_TRAIN_TORCH_CPU_ONLY" in find and "set(Pytorch_CUDA FALSE)" in find
     # Optimized as Horovod builds it, without debug info; HOROVOD_DEBUG=1 still asks for a debug build.
     assert "else 'Release'" in (tmp_path / "setup.py").read_text()
+
+
+def test_patched_horovodrun_ends_a_failed_job_with_one_line_and_the_ranks_exit_code(tmp_path, capsys):
+    fake_sdist(tmp_path)
+    build_horovod.apply_patches(tmp_path, 20)
+    launch = {"sys": __import__("sys")}
+    exec(compile((tmp_path / "horovod/runner/launch.py").read_text(), "launch.py", "exec"), launch)
+
+    def failed(code):
+        def run(args):
+            raise RuntimeError("Horovod detected that one or more processes exited with non-zero status, thus causing "
+                               f"the job to be terminated. The first process to do so was:\nProcess name: 1\n"
+                               f"Exit code: {code}\n")
+        return run
+
+    launch["parse_args"] = lambda: None
+    for code, exits in ((2, 2), (-9, 137)):
+        launch["_run"] = failed(code)
+        with pytest.raises(SystemExit) as exited:
+            launch["run_commandline"]()
+        assert exited.value.code == exits
+        assert capsys.readouterr().err == (f"horovodrun: rank 1 exited with status {code}, so the job was ended; "
+                                           f"its own output above says why\n")
+    launch["_run"] = lambda args: (_ for _ in ()).throw(RuntimeError("could not reach host node-3"))
+    with pytest.raises(RuntimeError, match="could not reach host node-3"):  # other failures keep their traceback
+        launch["run_commandline"]()
 
 
 def test_patches_make_synchronize_sleep_until_the_handle_is_done(tmp_path):
