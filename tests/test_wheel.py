@@ -34,8 +34,8 @@ def test_a_wheel_installs_into_a_fresh_environment_and_trains_from_another_direc
                    "hvd_train/hostfiles/validate.py"):
         assert module in names, f"{module} is missing from {wheel.name}"
     # Nothing under the names users give their own folders (data/, models/): installed, those would shadow theirs.
-    assert not [n for n in names if n.split("/")[0] in ("tests", "bench", "scripts", "engine.py", "config.py",
-                                                         "data", "models", "hostfiles")]
+    outside = ("tests", "bench", "scripts", "engine.py", "config.py", "data", "models", "hostfiles")
+    assert not [n for n in names if n.split("/")[0] in outside]
 
     run([sys._base_executable, "-m", "venv", "--without-pip", fresh], cwd=tmp_path)
     fresh_python = fresh / "bin" / "python"
