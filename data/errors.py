@@ -1,10 +1,14 @@
 import re
 
-from PIL import Image
+try:  # Pillow is there wherever images are read; the rest of the app imports this module without it too
+    from PIL.Image import DecompressionBombError
+except ImportError:  # pragma: no cover - an environment without Pillow reads no image
+    class DecompressionBombError(Exception):
+        pass
 
 # How Pillow says a file is not an image it will decode: a broken file (OSError, SyntaxError, ValueError), or one
 # whose pixel count is over Pillow's limit (Image.MAX_IMAGE_PIXELS, about 179 million: a "decompression bomb").
-UNREADABLE_IMAGE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+UNREADABLE_IMAGE = (OSError, SyntaxError, ValueError, DecompressionBombError)
 
 
 class DataError(ValueError):

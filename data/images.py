@@ -6,9 +6,6 @@ clipping, so every value above 255 turns white. Here they are scaled (value / 25
 already does for 16-bit colour. 32-bit integer images whose values fit 16 bits are scaled the same way; other
 32-bit and floating-point images have no known range and are refused by name.
 """
-import numpy as np
-from PIL import Image
-
 SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 
 
@@ -18,6 +15,9 @@ class UnsupportedImage(ValueError):
 
 def as_mode(image, mode):
     """`image` converted to `mode` ("L" or "RGB"), 16-bit values scaled rather than clipped."""
+    import numpy as np
+    from PIL import Image
+
     if image.mode in SIXTEEN_BIT or image.mode == "I":
         values = np.asarray(image, dtype=np.int64)
         if values.size and (values.min() < 0 or values.max() > 65535):

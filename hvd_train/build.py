@@ -40,7 +40,7 @@ def check_choices(cfg):
     if not is_import_path(cfg.data.dataset) and cfg.data.args:
         raise ConfigError(f"data.args (--data-args) is for your own data set factory (--dataset "
                           f"package.module:name); {cfg.data.dataset} takes its settings from the data.* fields")
-    check_data_settings_apply(cfg.data)
+    check_data_settings_apply(cfg.data, cfg.benchmark.enabled)
     # Data sets that live in files need --data-dir to be a directory (or absent, to be downloaded into).
     if cfg.data.dataset in data.FROM_FILES and \
             os.path.exists(cfg.data.data_dir) and not os.path.isdir(cfg.data.data_dir):
@@ -73,13 +73,15 @@ DATA_SET_SETTINGS = ("train_shards", "val_shards", "shard_index", "skip_bad_file
 READ_BY_SHARDS = ("shuffle_buffer",)
 
 
-def check_data_settings_apply(dc):
+def check_data_settings_apply(dc, benchmark=False):
     """A data.* setting given for a data set that does not read it is refused: the run would silently train on
     something else (tar shards named, the digits trained). The rule: a setting a data set's factory does not name is
     refused when it differs from its default; settings every data set shares (data_dir, workers, ...) are not."""
     factory = dataset_factory(dc.dataset)
     defaults = {f.name: f.default for f in dataclasses.fields(dc)}
     for name in DATA_SET_SETTINGS + READ_BY_SHARDS:
+        if benchmark and name.startswith("synthetic_"):  # --benchmark's random batch is made from them
+            continue
         value = getattr(dc, name)
         reader = "train_shards" if name in READ_BY_SHARDS else name
         if value == defaults[name] or accepts(factory, reader):

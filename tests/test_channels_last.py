@@ -54,7 +54,7 @@ def test_one_process_trains_evaluates_and_benchmarks_channels_last(tmp_path, app
     evaluation = read_json(tmp_path / "eval" / "evaluation.json")
     assert evaluation["acc1"] == pytest.approx(summary["final_val_acc1"])
     # Continued in the default layout: its channels-last momentum from the checkpoint is laid out like the weights.
-    run("--epochs", "3", "--resume", "auto", "--output-dir", tmp_path / "run")
+    run("--epochs", "3", "--resume", "auto", "--channels-last=false", "--output-dir", tmp_path / "run")
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert ckpt["epoch"] == 3 and all(w.is_contiguous() for w in _conv_weights(ckpt["model"]).values())
 

@@ -205,10 +205,13 @@ def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_pat
         (os.killpg if target == "group" else os.kill)(proc.pid, signum)
         # What the README says: one process reports the signal and exits 128 + it; horovodrun and mpirun catch
         # it, end their ranks with SIGTERM (the ranks' process groups are their own, which a terminal's Ctrl-C
-        # does not reach), and exit 1.
+        # does not reach); mpirun (and horovodrun --mpi, which becomes it) exits 1, horovodrun --gloo with the
+        # code of the rank that ended first, 143.
         reported = signum if launcher == "single" else signal.SIGTERM
         output, saved = interrupted(proc, log, reported)
-        assert proc.returncode == (128 + signum if launcher == "single" else 1), (proc.returncode, output[-3000:])
+        # (137 where the rank that ended first had to be killed after the grace period, on a very busy machine)
+        expected = {128 + signum} if launcher == "single" else {143, 137} if launcher == "horovodrun-gloo" else {1}
+        assert proc.returncode in expected, (proc.returncode, output[-3000:])
     assert checkpoint.load(str(run / "checkpoints" / "last.pt"))["epoch"] == saved
     assert not (run / "summary.json").exists()
     train(launcher, np, run, "--epochs", saved + 1, "--resume", "auto")
