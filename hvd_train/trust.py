@@ -13,6 +13,7 @@ line, or gives the same value as a flag: the file may come from someone else, an
 enough to run what it names. Names that ship (`resnet18`, `cifar10`, `classification`) and plain values are data.
 """
 from hvd_train.errors import ConfigError
+from hvd_train.plugins import is_import_path
 
 TRUST_FLAG = "--trust-code"
 # Settings that name code, by their place in the config: (section, field).
@@ -21,10 +22,6 @@ SHARD_LOCATIONS = (("data", "train_shards"), ("data", "val_shards"), ("data", "s
 # Arguments of the factories that ship which make them read a file or fetch one (timm, torchvision).
 FILE_ARGUMENTS = ("checkpoint_path", "pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "weights",
                   "cache_dir", "pretrained_strict")
-
-
-def is_import_path(value):
-    return isinstance(value, str) and ":" in value and not value.startswith(("pipe:", "http:", "https:"))
 
 
 def runs_a_command(location):
@@ -37,7 +34,7 @@ def code_in(values):
     found = []
     for section, name in IMPORT_PATHS:
         value = values.get(section, {}).get(name)
-        if is_import_path(value):
+        if isinstance(value, str) and is_import_path(value):  # what plugins.resolve imports
             found.append((f"{section}.{name}", value, "an import path: its module is imported and run"))
     for section, name in SHARD_LOCATIONS:
         value = values.get(section, {}).get(name)
