@@ -9,6 +9,7 @@ bench/results/<date>.json and .md and prints the table.
     python bench/run.py --sections overhead,peer
     python bench/run.py --sections peer,comm,allreduce   # the communication figures (about 15 minutes)
     python bench/run.py --sections data   # loaders (image folder, tar shards) against a training step
+    python bench/run.py --sections recipe   # plain vs default augmentation vs the full recipe, and timm's loop
 """
 import argparse
 import datetime
@@ -27,7 +28,7 @@ from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row
 
 PY = sys.executable
 BIN = os.path.dirname(PY)
-SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "tuning", "compile", "accuracy", "data")
+SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "tuning", "compile", "accuracy", "data", "recipe")
 APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
 APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
 # Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
@@ -368,6 +369,59 @@ def section_accuracy(b):
              "seconds": spread(times), "epochs": spread(epochs)}]
 
 
+# The recipe section's data: the digits at 16 px with a quarter of them to train on (449 samples): a training set
+# small enough to be memorised, where what augmentation and regularisation buy shows in a few minutes.
+RECIPE_DATA = ["--image-size", "16", "--data.val_fraction", "0.75"]
+RECIPE_FULL = ["--aa", "rand-m9-mstd0.5-inc1", "--reprob", "0.25", "--mixup", "0.2", "--cutmix", "1.0",
+               "--smoothing", "0.1", "--model-ema", "--model-ema-decay", "0.99", "--model-ema-warmup"]
+RECIPE_SEEDS = (1, 2, 3)
+
+
+def recipe_top1(summary):
+    """The last epoch's validation top-1 of the weights the run offers (the better of the model's and the
+    average's, where there is an average)."""
+    last = summary["history"][-1]
+    return max(last["val_acc1"], last.get("val_ema_acc1", 0.0))
+
+
+def section_recipe(b):
+    """Validation top-1 on the small digits set, 3 seeds each: no augmentation, the default augmentation, the full
+    recipe; and the full recipe through timm's components in a plain loop (bench/recipe_peer.py)."""
+    epochs = "2" if b.args.quick else "30"
+    seeds = RECIPE_SEEDS[:2] if b.args.quick else RECIPE_SEEDS
+    variants = (("plain (--no-aug)", ["--no-aug"]), ("default augmentation", []), ("full recipe", RECIPE_FULL))
+    rows = []
+    for name, flags in variants:
+        top1 = []
+        for seed in seeds:
+            out = b.out("recipe")
+            run([PY, "train_hvd.py", *RECIPE_DATA, "--epochs", epochs, "--seed", str(seed), "--output-dir", out,
+                 "--logging.progress", "false", "--logging.plot", "false", "--logging.tensorboard", "false",
+                 *flags], job_env())
+            with open(os.path.join(out, "summary.json")) as f:
+                top1.append(recipe_top1(json.load(f)))
+        rows.append({"figure": f"val top-1, {name}", "compared": f"hvd-train, digits 16 px, 449 train samples, "
+                     f"{epochs} epochs", "goal": "-", "top1": spread(top1), "values": top1, **mean_sd(top1)})
+    top1 = []
+    for seed in seeds:
+        out = b.out("recipe_peer") + ".json"
+        run([PY, os.path.join(ROOT, "bench", "recipe_peer.py"), "--epochs", epochs, "--seed", str(seed), "--out",
+             out], job_env())
+        with open(out) as f:
+            top1.append(json.load(f)["best"])
+    rows.append({"figure": "val top-1, full recipe through timm's components", "goal": "-", "top1": spread(top1),
+                 "compared": f"a plain one-process loop (bench/recipe_peer.py), same data, {epochs} epochs",
+                 "values": top1, **mean_sd(top1)})
+    return rows
+
+
+def mean_sd(values):
+    """The seeds' mean and sample standard deviation."""
+    import statistics
+
+    return {"mean": statistics.mean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
 def write_photos(root, count, side=96):
     """`count` JPEG photos (noise with a tint per class) in 4 class folders, as a camera or a crawl leaves them."""
     import numpy as np
@@ -435,6 +489,12 @@ def markdown(results):
             lines.append(f"| {row['figure']} | {row['compared']} | {row['goal']} | {fmt(r['min'])} | "
                          f"{fmt(r['median'])} | {fmt(r['max'])} | {fmt(row['a']['median'], 4)} {row['unit']} | "
                          f"{fmt(row['b']['median'], 4)} {row['unit']} |")
+        elif "top1" in row:
+            t = row["top1"]
+            seeds = ", ".join(f"{v:.1f}" for v in row["values"])
+            lines.append(f"| {row['figure']} | {row['compared']} (seeds: {seeds}; mean {row['mean']:.1f} +- "
+                         f"{row['sd']:.1f} sd) | {row['goal']} | {fmt(t['min'])} % | {fmt(t['median'])} % | "
+                         f"{fmt(t['max'])} % | | |")
         else:
             s = row["seconds"]
             lines.append(f"| {row['figure']} | {row['compared']} (epoch {fmt(row['epochs']['median'])}) | "

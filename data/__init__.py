@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset, default_collate
 
 from hvd_train.data import shards
+from hvd_train.data.augment import SeededBatches, SeededSamples
 from hvd_train.data.catalog import CHOICES, DATASETS, FROM_FILES, find_dataset, native_size
 from hvd_train.data.errors import BadSampleError, DataError
 from hvd_train.data.preprocessing import Preprocessing, class_names
@@ -120,10 +121,17 @@ def build_loaders(train_set, val_set, spec, rank, world_size, train_sampler=None
         train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                            seed=spec.seed)
     val_sampler = ShardSampler(len(val_set), rank, world_size)
-    common = dict(batch_size=spec.batch_size, num_workers=spec.workers, pin_memory=spec.pin_memory,
-                  persistent_workers=spec.workers > 0, multiprocessing_context=_worker_context(spec.workers))
-    train_loader = DataLoader(train_set, sampler=train_sampler, **common)
-    val_loader = DataLoader(val_set, sampler=val_sampler, **common)
+    # Each loader draws its workers' base seed from a generator of its own: from torch's global one it would move
+    # the training process's stream (dropout) by a draw whenever persistent workers start, which a resumed run does
+    # at another epoch than the run it continues.
+    common = dict(num_workers=spec.workers, pin_memory=spec.pin_memory, persistent_workers=spec.workers > 0,
+                  multiprocessing_context=_worker_context(spec.workers),
+                  generator=torch.Generator().manual_seed(spec.seed))
+    # Each training sample's random transforms are seeded from (seed, epoch, index): the same with any number of
+    # workers and after a resume (data/augment.py).
+    train_loader = DataLoader(SeededSamples(train_set),
+                              batch_sampler=SeededBatches(train_sampler, spec.batch_size, spec.seed), **common)
+    val_loader = DataLoader(val_set, sampler=val_sampler, batch_size=spec.batch_size, **common)
     return train_loader, val_loader, train_sampler
 
 

@@ -9,6 +9,7 @@ import inspect
 from functools import partial
 
 from hvd_train.data import cifar, mnist, shards, stl10
+from hvd_train.data.augment import Augmentation
 from hvd_train.data.digits import load_digits_dataset
 from hvd_train.data.preprocessing import describe
 from hvd_train.data.synthetic import SyntheticDataset
@@ -28,10 +29,15 @@ def fetched_by(download):
     return attach
 
 
-def digits(image_size=8):
-    """scikit-learn's 1,797 8x8 digits (shipped with the package, no files): split by data.val_fraction."""
+NO_AUGMENTATION = Augmentation(enabled=False)
+
+
+def digits(image_size=8, augment=NO_AUGMENTATION):
+    """scikit-learn's 1,797 8x8 digits (shipped with the package, no files): split by data.val_fraction (the
+    training share augmented, the held-out share as it is)."""
     samples = load_digits_dataset(image_size)
-    return samples, None, image_facts(1, 10, image_size, samples)
+    return (samples.augmented(augment, "digits"), samples,
+            {**image_facts(1, 10, image_size, samples), "held_out": True})
 
 
 def synthetic(image_size=224, synthetic_samples=1024, synthetic_channels=3, synthetic_classes=10):
@@ -41,34 +47,34 @@ def synthetic(image_size=224, synthetic_samples=1024, synthetic_channels=3, synt
     return train, val, image_facts(synthetic_channels, synthetic_classes, image_size, val)
 
 
-def _mnist_like(spec):
+def _mnist_like(spec, kind):
     @fetched_by(partial(mnist.download, spec))
-    def factory(data_dir, image_size=28):
+    def factory(data_dir, image_size=28, augment=NO_AUGMENTATION):
         train, val = mnist.load(spec, data_dir, image_size)
-        return train, val, image_facts(1, 10, image_size, val)
+        return train.augmented(augment, kind), val, image_facts(1, 10, image_size, val)
     return factory
 
 
 def _cifar(spec, classes):
     @fetched_by(partial(cifar.download, spec))
-    def factory(data_dir, image_size=32):
+    def factory(data_dir, image_size=32, augment=NO_AUGMENTATION):
         train, val = cifar.load(spec, data_dir, image_size)
-        return train, val, image_facts(3, classes, image_size, val)
+        return train.augmented(augment, "natural"), val, image_facts(3, classes, image_size, val)
     return factory
 
 
 @fetched_by(stl10.download)
-def stl10_set(data_dir, image_size=96):
+def stl10_set(data_dir, image_size=96, augment=NO_AUGMENTATION):
     train, val = stl10.load(data_dir, image_size)
-    return train, val, image_facts(3, 10, image_size, val)
+    return train.augmented(augment, "natural"), val, image_facts(3, 10, image_size, val)
 
 
-def imagefolder(data_dir, image_size=224, skip_bad_files=False):
+def imagefolder(data_dir, image_size=224, skip_bad_files=False, augment=NO_AUGMENTATION):
     """Class folders, with train/ and val/ or split by data.val_fraction (the same files read twice: training and
     evaluation transforms)."""
     from hvd_train.data import imagefolder as folders  # torchvision's datasets take a second to import: only where read
 
-    train, val, presplit = folders.load(data_dir, image_size, skip_bad_files)
+    train, val, presplit = folders.load(data_dir, image_size, skip_bad_files, augment)
     return train, val, {**image_facts(3, len(train.classes), image_size, val), "held_out": not presplit}
 
 
@@ -82,10 +88,14 @@ def shard_sets(train_shards="", val_shards="", shard_index="", image_size=0):
     return train, val, image_facts(facts.get("in_channels"), facts.get("num_classes"), size, val)
 
 
-DATASETS = {"digits": digits, "synthetic": synthetic, "mnist": _mnist_like(mnist.MNIST),
-            "fashion_mnist": _mnist_like(mnist.FASHION_MNIST), "cifar10": _cifar(cifar.CIFAR10, 10),
+DATASETS = {"digits": digits, "synthetic": synthetic, "mnist": _mnist_like(mnist.MNIST, "digits"),
+            "fashion_mnist": _mnist_like(mnist.FASHION_MNIST, "natural"), "cifar10": _cifar(cifar.CIFAR10, 10),
             "cifar100": _cifar(cifar.CIFAR100, 100), "stl10": stl10_set, "imagefolder": imagefolder,
             "shards": shard_sets}
+# The kind of images each data set holds, which decides its default augmentation (data/augment.py).
+KIND_OF = {"digits": "digits", "mnist": "digits", "fashion_mnist": "natural", "cifar10": "natural",
+           "cifar100": "natural", "stl10": "natural", "imagefolder": "photos", "shards": "photos",
+           "synthetic": "none"}
 CHOICES = f"choose one of: {', '.join(DATASETS)}"
 # The data sets read from --data-dir.
 FROM_FILES = tuple(name for name, factory in DATASETS.items() if "data_dir" in inspect.signature(factory).parameters)

@@ -19,9 +19,21 @@ log = logging.getLogger("hvd_train")
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, the usual choice for photographs
 
 
-def transforms(image_size, train):
+def transforms(image_size, train, augment=None):
+    """Training: RandomResizedCrop and flip, through timm's factory where --aa, --color-jitter or --reprob ask for
+    more (augment: a data.augment.Augmentation; off: the evaluation transforms). Evaluation: resize, center crop."""
     from torchvision import transforms as T
 
+    train = train and (augment is None or augment.enabled)
+    if train and augment is not None and augment.extra:
+        from timm.data.transforms_factory import transforms_imagenet_train
+
+        from hvd_train.data.augment import fix_posterize
+
+        fix_posterize()
+        return transforms_imagenet_train(image_size, hflip=0.5, color_jitter=augment.color_jitter or None,
+                                         auto_augment=augment.aa or None, interpolation="bilinear", mean=MEAN, std=STD,
+                                         re_prob=augment.reprob, re_mode=augment.remode, re_count=augment.recount)
     if train:
         steps = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()]
     else:
@@ -56,7 +68,7 @@ def decodes(path):
         return False
 
 
-def load(data_dir, image_size, skip_bad_files=False):
+def load(data_dir, image_size, skip_bad_files=False, augment=None):
     """(train, val, presplit): train/ and val/ trees when present (presplit=True), else the whole tree twice, with
     training and evaluation transforms, for the caller to split by index. Files that are not images by name are
     ignored; with skip_bad_files every image is decoded once here and those that fail are left out (and counted)."""
@@ -80,7 +92,8 @@ def load(data_dir, image_size, skip_bad_files=False):
         return False
 
     try:
-        train = ClassFolders(train_dir, transform=transforms(image_size, True), loader=read_image, is_valid_file=keep)
+        train = ClassFolders(train_dir, transform=transforms(image_size, True, augment), loader=read_image,
+                             is_valid_file=keep)
         val = ClassFolders(val_dir, transform=transforms(image_size, False), loader=read_image, is_valid_file=keep)
     except FileNotFoundError as e:  # a class whose every image was left out as undecodable
         raise DataError(f"image folder {data_dir}: {e}; {len(bad)} file(s) do not decode, e.g. {bad[:1]}: fix them "

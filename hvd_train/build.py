@@ -18,9 +18,12 @@ from hvd_train.data import LoaderSpec, build_loaders, check_world, is_streamed
 from hvd_train import tasks
 from hvd_train.datasets import build_datasets, dataset_factory
 from hvd_train.engine import StepOptions, Trainer, to_device
+from hvd_train.config import OPTIMIZERS
 from hvd_train.errors import ConfigError
 from hvd_train.plugins import call, is_import_path, resolve
 from hvd_train.profiling import StepProfiler
+from hvd_train.data.augment import Augmentation, check_policy
+from hvd_train.regularize import Mixing, weight_average
 from hvd_train.schedule import LRSchedule
 from hvd_train.weights import freeze, hold_batch_norm, load_matching
 from hvd_train import models
@@ -36,6 +39,7 @@ def check_choices(cfg):
     if cfg.run.stop_at > 100 and task.best_mode == "max" and task.best_metric.split("_", 1)[1] in percent:
         raise ConfigError(f"run.stop_at (--stop-at)={cfg.run.stop_at:g}: {task.best_metric} is a percentage, so it "
                           f"can never reach {cfg.run.stop_at:g}; give a target of 100 or less (98: stop at 98%)")
+    check_regularisation(cfg, task)
     dataset_factory(cfg.data.dataset)
     if not is_import_path(cfg.data.dataset) and cfg.data.args:
         raise ConfigError(f"data.args (--data-args) is for your own data set factory (--dataset "
@@ -65,6 +69,26 @@ def check_choices(cfg):
         raise ConfigError("--sync-bn needs GPUs: Horovod's SyncBatchNorm works on CUDA tensors only (no CUDA "
                           "device is visible). On the CPU, leave it off: BatchNorm statistics are averaged over "
                           "the ranks after every epoch anyway")
+
+
+def check_regularisation(cfg, task):
+    """The optimizer and augmentation names are ones timm knows; mixup, CutMix, label smoothing and --bce-loss
+    change a classifier's targets, so they need the classification task."""
+    try:
+        check_policy(cfg.aug.aa)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.optim.optimizer not in OPTIMIZERS:
+        from timm.optim import list_optimizers
+
+        if cfg.optim.optimizer not in list_optimizers():
+            raise ConfigError(f"optim.optimizer (--opt)={cfg.optim.optimizer!r}: neither torch's "
+                              f"({', '.join(OPTIMIZERS)}) nor one of timm's; timm has: {', '.join(list_optimizers())}")
+    targets = [flag for flag, on in (("--mixup", cfg.aug.mixup), ("--cutmix", cfg.aug.cutmix),
+                                     ("--smoothing", cfg.aug.smoothing), ("--bce-loss", cfg.aug.bce_loss)) if on]
+    if targets and task.name != "classification":
+        raise ConfigError(f"{targets[0]} changes a classifier's targets, and the task is {task.name}; use it with "
+                          f"--task classification, or leave it out")
 
 
 # data.* settings that one data set reads and the others ignore; the loader reads shuffle_buffer for tar shards.
@@ -127,17 +151,22 @@ def build_task(cfg, info=None):
     """The task --task names (or the model's own), ready for the training loop; it gets the data's facts it names
     (info: the DataInfo, where the data is known)."""
     name = cfg.model.task or models.model_task(cfg.model.name)
+    targets = {k: v for k, v in (("smoothing", cfg.aug.smoothing), ("bce_loss", cfg.aug.bce_loss)) if v}
     return tasks.build_task(resolve(name, tasks.find_task, "--task", tasks.CHOICES), name, cfg.model.task_args,
-                            info.facts() if info else None)
+                            {**(info.facts() if info else {}), **targets})
 
 
 def build_model_for(cfg, info, device):
     """The configured model for info's data, on `device` (with hvd.SyncBatchNorm layers under --sync-bn, laid
     out channels-last under --channels-last). Its factory gets the data's facts it names and --model-args."""
     name = cfg.model.name
+    depth = drop_path_args(cfg)
     try:
-        model = call(model_factory(cfg), info.facts(), cfg.model.args, "--model-args", name)
+        model = call(model_factory(cfg), info.facts(), {**depth, **cfg.model.args}, "--model-args", name)
     except TypeError as e:  # torchvision's or timm's constructor refusing an argument it does not know
+        if depth and any(k in str(e) for k in depth):
+            raise ConfigError(f"model.drop_path (--drop-path): {name} has no stochastic depth to set; leave "
+                              f"--drop-path out for this model") from None
         if is_import_path(name) or not cfg.model.args:
             raise
         raise ConfigError(f"--model-args {cfg.model.args}: {name} does not take them ({e})") from None
@@ -148,6 +177,8 @@ def build_model_for(cfg, info, device):
             model = models.checked(name, model, info.in_channels, info.image_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if cfg.model.grad_checkpointing:
+        set_grad_checkpointing(model, name)
     if cfg.horovod.sync_bn:
         model = hvd_utils.sync_batch_norm(model)
     if cfg.model.channels_last:
@@ -164,6 +195,44 @@ def build_model_for(cfg, info, device):
     return model
 
 
+def drop_path_args(cfg):
+    """--drop-path as the argument the model's factory names: timm's drop_path_rate, torchvision's
+    stochastic_depth_prob; {} when off. A model that takes neither is refused in one line."""
+    rate, name = cfg.model.drop_path, cfg.model.name
+    if not rate:
+        return {}
+    if name.startswith(models.TIMM_PREFIX):
+        return {"drop_path_rate": rate}
+    factory = model_factory(cfg)
+    if is_import_path(name) and accepts(factory, "drop_path_rate") and not _open_ended(factory):
+        return {"drop_path_rate": rate}
+    if name in models.torchvision_names():
+        return {"stochastic_depth_prob": rate}  # refused when building where the model has none
+    raise ConfigError(f"model.drop_path (--drop-path): {name} has no stochastic depth to set (it has no "
+                      f"drop_path_rate parameter); leave --drop-path out for this model")
+
+
+def _open_ended(factory):
+    try:
+        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return True
+
+
+def set_grad_checkpointing(model, name):
+    """--grad-checkpointing through the model's own switch (timm's set_grad_checkpointing); refused for a model
+    without one."""
+    switch = getattr(model, "set_grad_checkpointing", None)
+    try:
+        if not callable(switch):
+            raise NotImplementedError
+        switch(True)
+    except (NotImplementedError, AssertionError):
+        raise ConfigError(f"model.grad_checkpointing (--grad-checkpointing): {name} cannot recompute its "
+                          f"activations (it has no working set_grad_checkpointing, as timm's models do); leave "
+                          f"--grad-checkpointing out for this model") from None
+
+
 def param_groups(model, weight_decay, decay_norm_and_bias=False):
     """Two groups: weights with weight decay; biases and normalization parameters (all 1-d tensors) without,
     since shrinking them toward zero only hurts (the usual practice since Goyal et al. 2017)."""
@@ -177,7 +246,10 @@ def param_groups(model, weight_decay, decay_norm_and_bias=False):
 
 
 def build_optimizer(model, optim_cfg, lr):
-    """SGD (momentum, optionally Nesterov), Adam or AdamW at learning rate `lr` (already scaled)."""
+    """SGD (momentum, optionally Nesterov), Adam or AdamW at learning rate `lr` (already scaled); any other name,
+    and any optimizer with layer-wise decay, from timm's create_optimizer_v2."""
+    if optim_cfg.optimizer not in OPTIMIZERS or optim_cfg.layer_decay:
+        return timm_optimizer(model, optim_cfg, lr)
     groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.decay_norm_and_bias)
     if optim_cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=optim_cfg.momentum, nesterov=optim_cfg.nesterov)
@@ -186,6 +258,19 @@ def build_optimizer(model, optim_cfg, lr):
     if optim_cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr)
     raise ValueError(f"unknown optimizer {optim_cfg.optimizer!r}")
+
+
+def timm_optimizer(model, optim_cfg, lr):
+    """timm's optimizer factory: its name (sgd there means Nesterov momentum: --nesterov decides here), weight decay
+    off for biases and norms unless decay_norm_and_bias, and layer-wise rate scales ("lr_scale" per group, which
+    the schedule applies)."""
+    from timm.optim import create_optimizer_v2
+
+    name = {"sgd": "sgd" if optim_cfg.nesterov else "momentum"}.get(optim_cfg.optimizer, optim_cfg.optimizer)
+    extra = {"momentum": optim_cfg.momentum} if name in ("sgd", "momentum", "lars", "larc") else {}
+    return create_optimizer_v2(model, opt=name, lr=lr, weight_decay=optim_cfg.weight_decay,
+                               filter_bias_and_bn=not optim_cfg.decay_norm_and_bias,
+                               layer_decay=optim_cfg.layer_decay or None, **extra)
 
 
 def lr_scale(cfg, world_size):
@@ -222,10 +307,12 @@ def build_trainer(cfg, info, rt):
                  (f" and {len(frozen) - 6} more" if len(frozen) > 6 else ""))
     # Horovod: the learning rate scaled with the global batch; gradients averaged across ranks by the optimizer.
     optimizer = build_distributed_optimizer(cfg, model, rt.size)
+    mixing = Mixing(cfg.aug, info.num_classes, cfg.run.seed, rt.rank) if cfg.aug.mixing else None
     return Trainer(model=model, task=task, optimizer=optimizer,
                    schedule=LRSchedule(cfg.optim, lr_scale(cfg, rt.size)), device=rt.device,
                    opts=StepOptions.from_config(cfg, rt.is_main), epochs=cfg.optim.epochs,
-                   scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None)
+                   scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None,
+                   ema=weight_average(cfg, model), mixing=mixing)
 
 
 def materialise_lazy(model, task, info, device, name):
@@ -285,7 +372,7 @@ def prepare_data(cfg):
     if cfg.data.download and fetch is not None:
         # Horovod: one download per host, into the shared --data-dir; the other ranks on the host wait for it.
         hvd_utils.run_on_local_root(lambda: fetch(cfg.data.data_dir), f"downloading {cfg.data.dataset}")
-    return build_datasets(cfg.data, cfg.run.seed)
+    return build_datasets(cfg.data, cfg.run.seed, Augmentation.from_config(cfg.aug))
 
 
 def build_data(cfg, rt):

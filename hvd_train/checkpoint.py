@@ -63,6 +63,7 @@ def _link_or_copy(src, dst):
 
 
 EPOCH_FILE = re.compile(r"epoch_(\d+)\.pt")
+BEST_FILE = re.compile(r"best_epoch_(\d+)\.pt")  # --checkpoint-hist: one of the N best epochs
 
 
 def epoch_files(directory):
@@ -84,9 +85,10 @@ class Checkpointer:
             for stale in glob.glob(os.path.join(directory, "*.tmp.*")):
                 os.remove(stale)
 
-    def save(self, payload, epoch, is_best):
+    def save(self, payload, epoch, is_best, best_epochs=()):
         """Write epoch `epoch`; returns the path of last.pt (None on ranks that do not write). A failed write (a
-        full disk) is one CheckpointError and leaves the earlier checkpoints as they were."""
+        full disk) is one CheckpointError and leaves the earlier checkpoints as they were. best_epochs: the N best
+        epochs (--checkpoint-hist N > 1), kept as best_epoch_NNNN.pt whatever keep_last removes."""
         if not self.enabled:
             return None
         path = os.path.join(self.directory, f"epoch_{epoch:04d}.pt")
@@ -98,6 +100,13 @@ class Checkpointer:
             _link_or_copy(path, last)
             if is_best:
                 _link_or_copy(path, os.path.join(self.directory, "best.pt"))
+            if epoch in best_epochs:
+                _link_or_copy(path, os.path.join(self.directory, f"best_epoch_{epoch:04d}.pt"))
+        if best_epochs:
+            for name in os.listdir(self.directory):
+                kept = BEST_FILE.fullmatch(name)
+                if kept and int(kept.group(1)) not in best_epochs:
+                    os.remove(os.path.join(self.directory, name))
         for old in epoch_files(self.directory)[:-self.keep_last or None]:
             os.remove(old)
         return last
@@ -136,16 +145,22 @@ def check_fits(ckpt, path, expect):
                                   f"checkpoint's setting, or another file")
 
 
-def read_into(path, model, expect, optimizer=None):
-    """Load checkpoint `path` into the model (and the optimizer, when given) after checking it fits `expect`;
-    returns its other fields (counters, history, scaler, world size, RNG states)."""
+def read_into(path, model, expect, optimizer=None, ema=None):
+    """Load checkpoint `path` into the model (and the optimizer, and the weights' average, when given) after
+    checking it fits `expect`; returns its other fields (counters, history, scaler, world size, RNG states). A
+    checkpoint without an average starts one from its weights."""
     ckpt = load(path)
     check_fits(ckpt, path, expect)
     try:
         model.load_state_dict(ckpt["model"])
         if optimizer is not None:
             optimizer.load_state_dict(ckpt["optimizer"])
+        if ema is not None and isinstance(ckpt.get("ema"), dict):
+            ema.load_state_dict(ckpt["ema"])
+        elif ema is not None:
+            ema.restart(model)
     except (RuntimeError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: its weights do not fit this model ({str(e).splitlines()[0]})")
     planned = (ckpt.get("config") or {}).get("optim", {}).get("epochs")
-    return {**{k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "config")}, "planned_epochs": planned}
+    return {**{k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "config", "ema")},
+            "planned_epochs": planned}

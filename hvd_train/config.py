@@ -18,8 +18,9 @@ from hvd_train.errors import ConfigError
 from hvd_train.trust import TRUST_FLAG, refuse_code_from
 from hvd_train.uris import redact, redact_all
 
-LR_SCHEDULES = ("constant", "cosine", "step", "exponential")
-OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("constant", "cosine", "step", "multistep", "exponential")  # multistep: timm's name for step
+OPTIMIZERS = ("sgd", "adam", "adamw")  # torch's own; any other name is one of timm's (build.py checks it)
+ERASE_MODES = ("const", "rand", "pixel")
 AMP_MODES = ("off", "bf16", "fp16")
 DEVICES = ("auto", "cuda", "cpu")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -133,9 +134,23 @@ class ModelConfig(_Section):
     compile_mode: str = opt("default", "torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune, "
                             "max-autotune-no-cudagraphs")
 
+    drop_path: float = opt(0.0, "stochastic depth: the probability of dropping a residual branch, deepest blocks "
+                           "most (timm's drop_path_rate; torchvision's stochastic_depth_prob); models without "
+                           "residual branches are refused")
+    grad_checkpointing: bool = opt(False, "recompute activations in backward instead of keeping them: less "
+                                   "memory, about a third more compute (timm models)")
+    ema: bool = opt(False, "keep an exponential moving average of the weights (timm's ModelEmaV3), validated every "
+                    "epoch beside them; best.pt, predict and export use the better of the two")
+    ema_decay: float = opt(0.9998, "EMA: weight of the average at each optimizer step")
+    ema_warmup: bool = opt(False, "EMA: let the decay grow from 0 with the steps (timm's warmup), for short runs")
+
     def __post_init__(self):
         super().__post_init__()
         _choice("model.compile_mode (--compile-mode)", self.compile_mode, COMPILE_MODES)
+        _require(0.0 <= self.drop_path < 1.0, "model.drop_path (--drop-path)", self.drop_path,
+                 "must be a probability in [0, 1), e.g. 0.1")
+        _require(0.0 < self.ema_decay < 1.0, "model.ema_decay (--model-ema-decay)", self.ema_decay,
+                 "must be in (0, 1), e.g. 0.9998")
 
     @property
     def freeze_patterns(self):
@@ -150,17 +165,21 @@ class ModelConfig(_Section):
 
 @dataclass
 class OptimConfig(_Section):
-    optimizer: str = opt("sgd", "sgd, adam or adamw")
+    optimizer: str = opt("sgd", "sgd, adam or adamw (torch's), or any optimizer timm's create_optimizer_v2 knows "
+                         "(lamb, lars, lion, adamp, ...), wrapped by Horovod alike")
     epochs: int = opt(15, "passes over the training set")
     batch_size: int = opt(32, "samples per rank per backward pass; global batch: x ranks x batches_per_allreduce")
     lr: float = opt(0.025, "base learning rate for one rank and one batch; scaled by ranks x batches_per_allreduce")
-    lr_schedule: str = opt("cosine", "per-step decay after warmup: cosine (to 0), step, exponential or constant")
+    lr_schedule: str = opt("cosine", "per-step decay after warmup: cosine (to 0), step or multistep (x lr_gamma at "
+                           "each of lr_milestones), exponential or constant")
     warmup_epochs: float = opt(0.0, "epochs of linear warmup from lr/scale to the scaled lr (Goyal et al. 2017)")
     lr_milestones: tuple = opt((30, 60, 80), "step schedule: epochs at which the rate is multiplied by lr_gamma")
     lr_gamma: float = opt(0.1, "step: factor at each milestone; exponential: factor per epoch")
     momentum: float = opt(0.9, "SGD momentum")
     nesterov: bool = opt(False, "SGD Nesterov momentum")
     weight_decay: float = opt(0.0, "L2 penalty (decoupled for adamw)")
+    layer_decay: float = opt(0.0, "layer-wise rate decay: each block from the head down learns at this factor of "
+                             "the one above (timm models, e.g. 0.65 for a ViT fine-tune); 0: off")
     decay_norm_and_bias: bool = opt(False, "also apply weight decay to biases and normalization layers")
     clip_grad: float = opt(0.0, "clip the global gradient norm to this after averaging; 0: off")
     amp: str = opt("off", "mixed precision: off, bf16 (CPU and GPU) or fp16 (GPU, with a gradient scaler)")
@@ -168,7 +187,9 @@ class OptimConfig(_Section):
     def __post_init__(self):
         super().__post_init__()
         self.lr_milestones = tuple(self.lr_milestones)
-        _choice("optim.optimizer (--optimizer)", self.optimizer, OPTIMIZERS)
+        self.optimizer = self.optimizer.lower()
+        _require(self.optimizer.replace("_", "").isalnum(), "optim.optimizer (--opt)", self.optimizer,
+                 f"must be an optimizer's name: {', '.join(OPTIMIZERS)} or one of timm's (lamb, lars, lion, ...)")
         _require(self.epochs > 0, "optim.epochs (--epochs)", self.epochs, "must be a positive number of epochs")
         _require(self.batch_size > 0, "optim.batch_size (--batch-size)", self.batch_size,
                  "must be a positive number of samples per rank")
@@ -186,10 +207,57 @@ class OptimConfig(_Section):
         _require(0.0 <= self.momentum < 1.0, "optim.momentum", self.momentum, "must be in [0, 1)")
         _require(not self.nesterov or self.momentum > 0, "optim.nesterov", self.nesterov,
                  "needs optim.momentum > 0")
-        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be 0 or more")
+        _require(self.weight_decay >= 0, "optim.weight_decay (--weight-decay)", self.weight_decay, "must be 0 or more")
+        _require(0.0 <= self.layer_decay <= 1.0, "optim.layer_decay (--layer-decay)", self.layer_decay,
+                 "must be in (0, 1], e.g. 0.65, or 0 for off")
         _require(self.clip_grad >= 0, "optim.clip_grad (--clip-grad)", self.clip_grad,
                  "must be a gradient norm > 0, or 0 for no clipping")
         _choice("optim.amp (--amp)", self.amp, AMP_MODES)
+
+
+@dataclass
+class AugConfig(_Section):
+    """Data augmentation and the regularisation of targets, under timm's names (data/augment.py)."""
+    no_aug: bool = opt(False, "train on the samples as they are: no crop, flip or affine (by default natural images "
+                       "get a padded random crop and flip, digits a small affine, image folders RandomResizedCrop)")
+    aa: str = opt("", "timm's auto-augment policy on training images: rand-m9-mstd0.5-inc1 (RandAugment), "
+                  "augmix-m5-w4-d2 (AugMix), original or v0 (AutoAugment); empty: none")
+    color_jitter: float = opt(0.0, "colour jitter strength (brightness, contrast, saturation); 0: none; ignored "
+                              "with --aa, as in timm")
+    reprob: float = opt(0.0, "random erasing: probability that a training image gets a box erased")
+    remode: str = opt("pixel", "random erasing fill: const (zeros), rand (one colour per box) or pixel (noise)")
+    recount: int = opt(1, "random erasing: boxes at most per image")
+    mixup: float = opt(0.0, "mixup alpha (Beta distribution of the mixing weight); 0: off")
+    cutmix: float = opt(0.0, "CutMix alpha; 0: off")
+    mixup_prob: float = opt(1.0, "probability that a batch is mixed (when mixup or CutMix is on)")
+    mixup_switch_prob: float = opt(0.5, "probability of CutMix instead of mixup when both are on")
+    mixup_mode: str = opt("batch", "mix per batch, pair or elem (timm's modes)")
+    mixup_off_epoch: int = opt(0, "epoch from which mixup and CutMix stop (the last epochs train on clean "
+                               "images); 0: never")
+    smoothing: float = opt(0.0, "label smoothing: the share of the target spread over all classes, e.g. 0.1")
+    bce_loss: bool = opt(False, "binary cross-entropy on one-hot (or mixed) targets instead of softmax "
+                         "cross-entropy (timm's BinaryCrossEntropy)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _choice("aug.remode (--remode)", self.remode, ERASE_MODES)
+        _choice("aug.mixup_mode", self.mixup_mode, ("batch", "pair", "elem"))
+        for name in ("reprob", "mixup_prob", "mixup_switch_prob"):
+            _require(0.0 <= getattr(self, name) <= 1.0, f"aug.{name}", getattr(self, name), "must be in [0, 1]")
+        for name in ("mixup", "cutmix", "color_jitter"):
+            _require(getattr(self, name) >= 0, f"aug.{name}", getattr(self, name), "must be 0 (off) or more")
+        _require(0.0 <= self.smoothing < 1.0, "aug.smoothing (--smoothing)", self.smoothing,
+                 "must be in [0, 1), e.g. 0.1")
+        _require(1 <= self.recount <= 100, "aug.recount", self.recount, "must be 1 to 100 boxes")
+        _require(self.mixup_off_epoch >= 0, "aug.mixup_off_epoch (--mixup-off-epoch)", self.mixup_off_epoch,
+                 "must be an epoch, or 0 for never")
+        _require(not (self.no_aug and (self.aa or self.reprob or self.color_jitter)), "aug.no_aug (--no-aug)", True,
+                 "contradicts --aa, --reprob and --color-jitter, which augment: leave out one or the other")
+
+    @property
+    def mixing(self):
+        """Whether mixup or CutMix is on."""
+        return self.mixup > 0 or self.cutmix > 0
 
 
 @dataclass
@@ -224,11 +292,14 @@ class CheckpointConfig(_Section):
     resume: str = opt("", "checkpoint to resume from: a path, or auto for the newest in <output dir>/checkpoints")
     keep_last: int = opt(3, "how many of the newest per-epoch checkpoints to keep (last.pt and best.pt are extra)")
     every_epochs: int = opt(1, "write a checkpoint every this many epochs (and after the last)")
+    hist: int = opt(1, "how many of the best checkpoints to keep: best.pt and, from 2, best-2.pt ... best-N.pt "
+                    "(the N best epochs by the task's best metric)")
 
     def __post_init__(self):
         super().__post_init__()
         _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "must be 0 or more")
         _require(self.every_epochs >= 1, "checkpoint.every_epochs", self.every_epochs, "must be 1 or more")
+        _require(self.hist >= 1, "checkpoint.hist (--checkpoint-hist)", self.hist, "must be 1 or more")
 
 
 @dataclass
@@ -265,6 +336,8 @@ class RunConfig(_Section):
     stop_at: float = opt(0.0, "stop once an epoch reaches this (98: val top-1 98%; VAE: val loss <= it); 0: off")
     freeze_timeout_s: float = opt(300.0, "end the job, naming the rank that holds it up, when this rank has waited "
                                   "this many seconds without progress (0: never; fixed-size jobs)")
+    patience: int = opt(0, "early stopping: end training when the best metric has not improved for this many "
+                        "epochs (decided on the global metric, every rank together); 0: off")
     divergence_factor: float = opt(100.0, "stop every rank (exit 3) when an epoch's training loss exceeds this many "
                                    "times the run's first-step loss: training that diverged but stayed finite; 0: off")
 
@@ -274,6 +347,7 @@ class RunConfig(_Section):
         _require(self.stop_at >= 0, "run.stop_at (--stop-at)", self.stop_at,
                  "must be a target value of the best metric (e.g. 98 for 98% val top-1), or 0 for none")
         _choice("run.device (--device)", self.device, DEVICES)
+        _require(self.patience >= 0, "run.patience (--patience)", self.patience, "must be 0 (off) or more epochs")
         _require(self.freeze_timeout_s == 0 or self.freeze_timeout_s >= 10,
                  "run.freeze_timeout_s (--freeze-timeout)", self.freeze_timeout_s,
                  "must be a number of seconds of at least 10 (a step may take seconds), or 0 to never end a job")
@@ -321,6 +395,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    aug: AugConfig = field(default_factory=AugConfig)
     horovod: HorovodConfig = field(default_factory=HorovodConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -391,6 +466,31 @@ ALIASES = {
     "image-size": "data.image_size",
     "workers": "data.workers",
     "optimizer": "optim.optimizer",
+    "opt": "optim.optimizer",
+    "weight-decay": "optim.weight_decay",
+    "layer-decay": "optim.layer_decay",
+    "sched": "optim.lr_schedule",
+    "no-aug": "aug.no_aug",
+    "aa": "aug.aa",
+    "color-jitter": "aug.color_jitter",
+    "reprob": "aug.reprob",
+    "remode": "aug.remode",
+    "recount": "aug.recount",
+    "mixup": "aug.mixup",
+    "cutmix": "aug.cutmix",
+    "mixup-prob": "aug.mixup_prob",
+    "mixup-switch-prob": "aug.mixup_switch_prob",
+    "mixup-mode": "aug.mixup_mode",
+    "mixup-off-epoch": "aug.mixup_off_epoch",
+    "smoothing": "aug.smoothing",
+    "bce-loss": "aug.bce_loss",
+    "drop-path": "model.drop_path",
+    "grad-checkpointing": "model.grad_checkpointing",
+    "model-ema": "model.ema",
+    "model-ema-decay": "model.ema_decay",
+    "model-ema-warmup": "model.ema_warmup",
+    "checkpoint-hist": "checkpoint.hist",
+    "patience": "run.patience",
     "epochs": "optim.epochs",
     "batch-size": "optim.batch_size",
     "lr": "optim.lr",
@@ -419,8 +519,9 @@ ALIASES = {
     "profile-steps": "profile.steps",
     "profile-ranks": "profile.ranks",
 }
-CHOICES = {"optim.optimizer": OPTIMIZERS, "optim.lr_schedule": LR_SCHEDULES, "optim.amp": AMP_MODES,
-           "run.device": DEVICES, "model.compile_mode": COMPILE_MODES, "profile.ranks": PROFILE_RANKS}
+CHOICES = {"optim.lr_schedule": LR_SCHEDULES, "optim.amp": AMP_MODES,
+           "run.device": DEVICES, "model.compile_mode": COMPILE_MODES, "profile.ranks": PROFILE_RANKS,
+           "aug.remode": ERASE_MODES}
 
 
 def _fields():
@@ -493,15 +594,16 @@ def build_parser():
                         help="let the recipe name code: import paths (package.module:name) and pipe: shard commands; "
                              "without it a recipe is data and such values must be given as flags (README: What is "
                              "code and what is data)")
-    alias_of = {dest: flag for flag, dest in ALIASES.items()}
+    alias_of = {}
+    for flag, dest in ALIASES.items():  # a field may have several: --optimizer and timm's --opt
+        alias_of.setdefault(dest, []).append(flag)
     groups = {}
     for section, _, f in _fields():
         if section not in groups:
             groups[section] = parser.add_argument_group(f"{section} settings")
         dest = f"{section}.{f.name}"
         flags = [f"--{dest}"]
-        if dest in alias_of:
-            flags.insert(0, f"--{alias_of[dest]}")
+        flags[:0] = [f"--{alias}" for alias in alias_of.get(dest, ())]
         extra = {"nargs": "?", "const": True} if f.type is bool else {}  # `--download` alone means true
         metavar = "KEY=VALUE,..." if f.type is dict else f.type.__name__.upper()
         if dest in CHOICES:

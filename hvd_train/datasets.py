@@ -15,20 +15,24 @@ def dataset_factory(name):
     return resolve(name, data.find_dataset, "--dataset", data.CHOICES)
 
 
-def dataset_settings(dc, seed):
+def dataset_settings(dc, seed, augment=None):
     """What a data set factory may name as parameters: the data.* settings (image_size only where it is set, so that
-    the factory's default, the data set's own size, applies otherwise) and the run's seed."""
+    the factory's default, the data set's own size, applies otherwise), the run's seed and, for training, the
+    augmentation (a data.augment.Augmentation; without one the factory's default, none, applies)."""
     settings = {f.name: getattr(dc, f.name) for f in dataclasses.fields(dc) if f.name not in ("dataset", "args")}
     if not dc.image_size:
         del settings["image_size"]
+    if augment is not None:
+        settings["augment"] = augment
     return {**settings, "seed": seed}
 
 
-def build_datasets(dc, seed=0):
+def build_datasets(dc, seed=0, augment=None):
     """The factory --dataset names, called with the settings it names and --data-args; it returns (train, val) or
-    (train, val, facts), val None for the app's split."""
+    (train, val, facts), val None for the app's split. augment: the training run's Augmentation (tools that read a
+    data set, such as hvd-train shard, pass none and get the samples as they are)."""
     name, factory = dc.dataset, dataset_factory(dc.dataset)
-    made = call(factory, dataset_settings(dc, seed), dc.args, "--data-args", name)
+    made = call(factory, dataset_settings(dc, seed, augment), dc.args, "--data-args", name)
     if not isinstance(made, (tuple, list)) or len(made) not in (2, 3) or \
             (len(made) == 3 and not isinstance(made[2], dict)):
         raise ConfigError(f"--dataset={name!r}: the factory must return (train, val) or (train, val, facts) with "

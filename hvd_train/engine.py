@@ -56,6 +56,8 @@ class Trainer:
     epochs: int = 1
     scaler: Optional[object] = None
     profiler: Optional[object] = None  # --profile: hvd_train.profiling.StepProfiler, told of every step
+    ema: Optional[object] = None     # --model-ema: hvd_train.regularize.WeightAverage, updated after every step
+    mixing: Optional[object] = None  # --mixup/--cutmix: hvd_train.regularize.Mixing, applied to every batch
 
 
 class Hooks:
@@ -156,6 +158,8 @@ def train_step(trainer, batch):
     hvd_utils.apply_gradients(t.optimizer, step, before_step)
     if t.scaler is not None:
         t.scaler.update()
+    if t.ema is not None:  # on every rank, from the same weights: the averages stay identical
+        t.ema.update(t.model)
     return sums
 
 
@@ -184,7 +188,10 @@ def train_one_epoch(trainer, loader, epoch, hooks):
     for step, batch in enumerate(loader, 1):
         watchdog.tick()  # a batch in hand
         t.schedule.apply(t.optimizer, hooks.position(epoch, step - 1, len(loader)))
-        _add(total, train_step(t, to_device(batch, t.device)), t.device)
+        batch = to_device(batch, t.device)
+        if t.mixing is not None:
+            batch = t.mixing(batch, epoch, step)
+        _add(total, train_step(t, batch), t.device)
         hooks.after_step(epoch)
         if step == 1 and epoch == 1 and hooks.state is not None:
             # Every rank reduces here (an elastic worker that joined in epoch 1 too); a value is kept only once.
@@ -296,6 +303,10 @@ def close_epoch(trainer, train_sums, val_loader, timing):
     hvd_utils.average_buffers(t.model)  # BatchNorm statistics agree before validation and checkpoints
     val = evaluate_all(t.model, t.task, val_loader, t.device, t.opts.amp)
     record = epoch_record(timing.epoch, timing.lr, epoch_seconds, train, val)
+    if t.ema is not None:  # the average, validated beside the weights (its statistics agree first, as theirs)
+        hvd_utils.average_buffers(t.ema.module)
+        ema = evaluate_all(t.ema.module, t.task, val_loader, t.device, t.opts.amp)
+        record.update({f"val_ema_{k}": v for k, v in ema.items()})
     log.info(format_record(timing.epoch, t.epochs, train, val, record))
     return record
 
@@ -316,5 +327,7 @@ def format_record(epoch, epochs, train, val, record):
         return " ".join(f"top-{k[3:]} {metrics[k]:.2f}%" if k in ("acc1", "acc5") else f"{k} {metrics[k]:.4f}"
                         for k in names)
 
-    return (f"epoch {epoch}/{epochs}  train {terms(train)}  val {terms(val)}  lr {record['lr']:.4g}  "
+    ema = {k[8:]: v for k, v in record.items() if k.startswith("val_ema_")}
+    averaged = f"  val(ema) {terms(ema)}" if ema else ""
+    return (f"epoch {epoch}/{epochs}  train {terms(train)}  val {terms(val)}{averaged}  lr {record['lr']:.4g}  "
             f"{record['samples_per_sec']:.0f} samples/s  {record['epoch_seconds']:.2f}s")

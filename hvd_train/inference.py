@@ -38,15 +38,27 @@ def load_trained(source, trusted=False):
     ckpt = checkpoint.load(path)
     card = card_of_checkpoint(ckpt, path)
     card.check_code(f"{path} (its model card)", trusted)
-    if not isinstance(ckpt.get("model"), dict) or not all(torch.is_tensor(v) for v in ckpt["model"].values()):
+    weights = chosen_weights(ckpt)
+    if not isinstance(weights, dict) or not all(torch.is_tensor(v) for v in weights.values()):
         raise CheckpointError(f"{path}: holds no model weights by name; give a checkpoint hvd-train wrote")
-    model = card.build({k: v.shape for k, v in ckpt["model"].items()})
+    model = card.build({k: v.shape for k, v in weights.items()})
     try:
-        model.load_state_dict(ckpt["model"])
+        model.load_state_dict(weights)
     except RuntimeError as e:
         raise CheckpointError(f"{path}: its weights do not fit the model its card describes ({card.model}): "
                               f"{str(e).splitlines()[0]}") from None
     return model, card, ckpt
+
+
+AVERAGE = "average.module."  # the averaged model's keys in a checkpoint's "ema" (hvd_train/regularize.py)
+
+
+def chosen_weights(ckpt):
+    """The weights a checkpoint offers for use: the model's, or under --model-ema their average where that
+    validated better in the checkpoint's epoch (its "weights", which its card repeats)."""
+    if ckpt.get("weights") == "ema" and isinstance(ckpt.get("ema"), dict):
+        return {k[len(AVERAGE):]: v for k, v in ckpt["ema"].items() if k.startswith(AVERAGE)}
+    return ckpt.get("model")
 
 
 def outputs(result):

@@ -9,6 +9,16 @@ def improved(task, value, best):
     return best is None or (value > best if task.best_mode == "max" else value < best)
 
 
+def candidate(task, record):
+    """(value of the task's best metric, which weights reach it) for an epoch's record: the better of the model's
+    and, under --model-ema, its average's ("model" or "ema")."""
+    value = record[task.best_metric]
+    key = "val_ema_" + task.best_metric[4:] if task.best_metric.startswith("val_") else None
+    if key in record and improved(task, record[key], value):
+        return record[key], "ema"
+    return value, "model"
+
+
 def reached(task, value, target):
     """Whether `value` of the task's best_metric meets a --stop-at target (0: no target)."""
     return target > 0 and (value >= target if task.best_mode == "max" else value <= target)

@@ -6,6 +6,7 @@ and written beside every export as JSON.
     task                classification, vae or the user's task
     classes             the classes' names in label order (null where the data set does not know them)
     preprocessing       how an image file becomes an input (data/preprocessing.py; null for data that is not images)
+    weights             which weights the file offers: "model", or "ema" (--model-ema: the average validated better)
 """
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -28,6 +29,7 @@ class ModelCard:
     task: str = "classification"
     classes: Optional[list] = None
     preprocessing: Optional[dict] = None
+    weights: str = "model"
 
     def to_dict(self):
         return asdict(self)
@@ -35,13 +37,15 @@ class ModelCard:
     @classmethod
     def from_dict(cls, d, where):
         try:
-            card = cls(**{k: d[k] for k in ("model", "model_args", "facts", "task", "classes", "preprocessing")})
+            card = cls(**{k: d[k] for k in ("model", "model_args", "facts", "task", "classes", "preprocessing")},
+                       weights=d.get("weights", "model"))
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{where}: not a model card hvd-train wrote (missing {e}); export the checkpoint "
                                   f"again with hvd-train export") from None
         kinds = {"model": str, "model_args": dict, "facts": dict, "task": str, "classes": (list, type(None)),
                  "preprocessing": (dict, type(None))}
         wrong = [k for k, kind in kinds.items() if not isinstance(getattr(card, k), kind)]
+        wrong += ["weights"] if card.weights not in ("model", "ema") else []
         if wrong:
             raise CheckpointError(f"{where}: not a model card hvd-train wrote ({wrong[0]} is a "
                                   f"{type(getattr(card, wrong[0])).__name__})")

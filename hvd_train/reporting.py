@@ -171,6 +171,11 @@ def log_setup(cfg, rt, info, trainer, resumed_epoch):
              cfg.optim.lr_schedule, cfg.optim.warmup_epochs, cfg.optim.amp,
              ", channels-last" if cfg.model.channels_last else "",
              f"; resuming after epoch {resumed_epoch}" if resumed_epoch else "")
+    extras = (("mixup", cfg.aug.mixup), ("cutmix", cfg.aug.cutmix), ("label smoothing", cfg.aug.smoothing),
+              ("drop-path", cfg.model.drop_path))
+    log.info("augmentation: %s%s%s", describe_augmentation(cfg),
+             "".join(f"; {name} {value:g}" for name, value in extras if value),
+             f"; EMA of the weights (decay {cfg.model.ema_decay:g})" if cfg.model.ema else "")
     if cfg.model.compile:
         log.info("torch.compile (mode %s): the first training step compiles the model (and the first validation "
                  "batch again, for eval mode), so epoch 1 takes longer", cfg.model.compile_mode)
@@ -210,10 +215,14 @@ def finish(cfg, rt, trainer, state, reporter):
     and the curves. Returns the exit code: 1 when the ranks' weights differ."""
     # Every rank must end with the same weights; a difference means gradients were not averaged.
     fingerprints = hvd_utils.fingerprints_by_rank(trainer.model)
+    # The weights' average (--model-ema) too: the same updates of the same weights on every rank.
+    averaged = hvd_utils.fingerprints_by_rank(trainer.ema.module) if trainer.ema is not None else None
     task, lr = trainer.task, cfg.optim.lr * trainer.schedule.lr_scale
     if rt.is_main:
         run_dir = reporter.dir
         summary = build_summary(cfg, rt, task, state, lr, fingerprints, run_dir)
+        summary.update(regularisation(cfg, state, averaged))
+        summary["params_in_sync"] = summary["params_in_sync"] and summary.get("ema_in_sync", True)
         path = run_dir.summary
         with reported_write(run_dir.curves):
             summary["curves_png"] = reporter.plot(state.history) if cfg.logging.plot else None
@@ -227,4 +236,29 @@ def finish(cfg, rt, trainer, state, reporter):
         log.error("ranks ended with different parameters (fingerprints %s): gradients were not averaged",
                   fingerprints)
         return 1
+    if averaged is not None and len(set(averaged)) != 1:
+        log.error("ranks ended with different weight averages (--model-ema; fingerprints %s)", averaged)
+        return 1
     return 0
+
+
+def regularisation(cfg, state, averaged):
+    """The summary's account of augmentation and regularisation: what training samples went through, and under
+    --model-ema which weights were best and the averages' fingerprints."""
+    a = cfg.aug
+    out = {"augmentation": describe_augmentation(cfg),
+           "regularisation": {"mixup": a.mixup, "cutmix": a.cutmix, "smoothing": a.smoothing, "bce_loss": a.bce_loss,
+                              "drop_path": cfg.model.drop_path, "model_ema": cfg.model.ema}}
+    if averaged is not None:
+        out.update(best_weights=state.best_weights, ema_fingerprints=averaged, ema_in_sync=len(set(averaged)) == 1)
+    if state.stopped_at is not None and cfg.run.patience:
+        out["patience"] = cfg.run.patience
+    return out
+
+
+def describe_augmentation(cfg):
+    """What training samples go through, in one line."""
+    from hvd_train.data.augment import Augmentation
+    from hvd_train.data.catalog import KIND_OF
+
+    return Augmentation.from_config(cfg.aug).describe(KIND_OF.get(cfg.data.dataset, "own"))

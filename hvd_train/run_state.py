@@ -12,7 +12,7 @@ import hvd_utils
 from hvd_train import interrupt
 from hvd_train.checkpoint import VERSION, Checkpointer, read_into, rng_state, set_rng_state
 from hvd_train.errors import CheckpointError
-from hvd_train.metrics import improved, reached
+from hvd_train.metrics import candidate, improved, reached
 from hvd_train.model_card import card_for
 from hvd_train.reporting import Reporter, seconds_since_start
 from hvd_train.run_dir import RunDir
@@ -27,6 +27,7 @@ class RunState:
     step: int = 0                        # optimizer steps done
     best_metric: Optional[float] = None  # the best value of the task's best_metric so far
     best_epoch: Optional[int] = None     # and the epoch that reached it
+    best_weights: str = "model"          # which weights reached it: the model's, or their average's (--model-ema)
     history: list = field(default_factory=list)  # one record per epoch (as in metrics.jsonl)
     stopped_at: Optional[int] = None     # the epoch --stop-at ended the run at
     elastic: Optional[dict] = None       # an elastic run's resets and redone steps, for the summary
@@ -39,12 +40,14 @@ class RunState:
     first_loss: Optional[float] = None   # the run's first step's loss (all ranks), what divergence is measured by
     tracking: dict = field(default_factory=dict)  # the experiment trackers' run ids (hvd_train/tracking.py)
 
-    CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "history", "resumes", "first_loss", "tracking")
+    CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "best_weights", "history",
+                    "resumes", "first_loss", "tracking")
 
     def load(self, meta):
         """Take the counters, best metric, history and resume points a checkpoint holds."""
         self.epoch, self.step = meta["epoch"], meta.get("step") or 0
         self.best_metric, self.best_epoch, self.history = meta["best_metric"], meta["best_epoch"], list(meta["history"])
+        self.best_weights = meta.get("best_weights") or "model"
         self.resumes = list(meta.get("resumes") or [])
         self.first_loss = meta.get("first_loss")
         self.tracking = dict(meta.get("tracking") or {})
@@ -126,10 +129,20 @@ class RunState:
         return self._consider(task, record)
 
     def _consider(self, task, record):
-        better = improved(task, record[task.best_metric], self.best_metric)
+        value, weights = candidate(task, record)
+        better = improved(task, value, self.best_metric)
         if better:
-            self.best_metric, self.best_epoch = record[task.best_metric], record["epoch"]
+            self.best_metric, self.best_epoch, self.best_weights = value, record["epoch"], weights
         return better
+
+    def waited(self):
+        """Epochs since the best one (for --patience)."""
+        return self.epoch - self.best_epoch if self.best_epoch is not None else 0
+
+    def best_epochs(self, task, count):
+        """The `count` best epochs of the history by the task's best metric, best first (--checkpoint-hist)."""
+        ranked = sorted(self.history, key=lambda r: candidate(task, r)[0], reverse=task.best_mode == "max")
+        return [r["epoch"] for r in ranked[:count]]
 
 
 @dataclass
@@ -163,30 +176,50 @@ class AfterEpoch:
         # Time to accuracy, counted from the start of the first process of the run (resumes included).
         record["wall_seconds"] = self.state.wall_seconds()
         better = self.state.add(task, record)
-        stop = reached(task, record[task.best_metric], cfg.run.stop_at)
+        value, weights = candidate(task, record)
+        if self.trainer.ema is not None:
+            record["weights"] = weights  # which weights this epoch's checkpoint offers predict and export
+        stop = reached(task, value, cfg.run.stop_at)
         if stop:
             self.state.stop(epoch)
             log.info("--stop-at %g: %s reached %.4g at epoch %d; stopping", cfg.run.stop_at, task.best_metric,
-                     record[task.best_metric], epoch)
+                     value, epoch)
+        elif cfg.run.patience and self.state.waited() >= cfg.run.patience:
+            # The record is reduced over every rank, so every rank decides the same, at the same epoch.
+            stop = True
+            self.state.stop(epoch)
+            log.info("--patience %d: %s has not improved for %d epochs (best %.4g at epoch %d); stopping",
+                     cfg.run.patience, task.best_metric, self.state.waited(), self.state.best_metric,
+                     self.state.best_epoch)
         due = epoch % cfg.checkpoint.every_epochs == 0 or epoch == cfg.optim.epochs or stop
-        payload = self.payload() if due else None  # gathers every rank's RNG states: a collective, on every rank
+        payload = self.payload(record.get("weights")) if due else None  # gathers every rank's RNG states: a
+        # collective, on every rank
         # Rank 0 writes the checkpoint, then the epoch's record: a record never describes an epoch whose
         # checkpoint failed. Every rank learns how the writing went, so a full disk stops them all together.
         hvd_utils.decide_on_root(lambda: self.write(epoch, record, payload, better), "epoch_outputs")
         self.state.closed(epoch, saved=payload is not None)
         return stop
 
-    def payload(self):
+    def payload(self, weights=None):
+        """The checkpoint: everything to continue the run; under --model-ema also the average ("ema": its state
+        with its update count) and which of the two this epoch's validation preferred ("weights"), which the
+        card repeats for predict and export."""
         t = self.trainer
         rng = hvd_utils.gather_objects(rng_state(), "rng_states")  # every rank's, in rank order
-        return {"version": VERSION, "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
-                "scaler": t.scaler.state_dict() if t.scaler else None, "config": self.cfg.to_dict(),
-                "world_size": hvd_utils.world_size(), "rng": rng, "wall_seconds": self.state.wall_seconds(),
-                "model_card": self.out.card, **self.out.fits, **self.state.checkpoint_fields()}
+        payload = {"version": VERSION, "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+                   "scaler": t.scaler.state_dict() if t.scaler else None, "config": self.cfg.to_dict(),
+                   "world_size": hvd_utils.world_size(), "rng": rng, "wall_seconds": self.state.wall_seconds(),
+                   "model_card": self.out.card, **self.out.fits, **self.state.checkpoint_fields()}
+        if t.ema is not None:
+            payload.update(ema=t.ema.state_dict(), weights=weights or "model",
+                           model_card={**self.out.card, "weights": weights or "model"})
+        return payload
 
     def write(self, epoch, record, payload, is_best):
         if payload is not None:
-            self.out.checkpointer.save(payload, epoch, is_best=is_best)
+            hist = self.cfg.checkpoint.hist
+            kept = self.state.best_epochs(self.trainer.task, hist) if hist > 1 else []
+            self.out.checkpointer.save(payload, epoch, is_best=is_best, best_epochs=kept)
         self.out.reporter.epoch(record, committed=payload is not None)
 
 
@@ -215,7 +248,7 @@ def resume(path, trainer, state, fits):
     """Continue from checkpoint `path`: weights, optimizer and scaler state on every rank, each rank's RNG states
     where the number of ranks is unchanged, and the run state (the learning rate follows from its epoch). A
     checkpoint that has reached --epochs is refused: there is nothing to train, and no summary may pretend so."""
-    meta = load_everywhere(path, trainer.model, fits, optimizer=trainer.optimizer)
+    meta = load_everywhere(path, trainer.model, fits, optimizer=trainer.optimizer, ema=trainer.ema)
     if meta["epoch"] >= trainer.epochs:
         raise CheckpointError(f"--resume {path}: nothing to train: the checkpoint is at epoch {meta['epoch']} and "
                               f"--epochs is {trainer.epochs}; pass a larger --epochs to train further, or "
@@ -241,12 +274,14 @@ def say_schedule_change(schedule, planned, epoch):
              epoch, schedule.lr(epoch), before)
 
 
-def load_everywhere(path, model, expect, optimizer=None):
+def load_everywhere(path, model, expect, optimizer=None, ema=None):
     """Rank 0 loads checkpoint `path` (checked against `expect`: model_name, task, num_classes, dataset, ...), then
-    every rank gets its weights and optimizer state: the one loader of resuming, elastic and evaluation runs. Returns
-    the checkpoint's other fields, the same on every rank."""
-    meta = hvd_utils.decide_on_root(lambda: read_into(path, model, expect, optimizer), "checkpoint")
+    every rank gets its weights and optimizer state (and the weights' average, under --model-ema): the one loader of
+    resuming, elastic and evaluation runs. Returns the checkpoint's other fields, the same on every rank."""
+    meta = hvd_utils.decide_on_root(lambda: read_into(path, model, expect, optimizer, ema), "checkpoint")
     hvd_utils.broadcast_loaded(model, optimizer)
+    if ema is not None:
+        hvd_utils.broadcast_module(ema)
     return meta
 
 

@@ -23,7 +23,7 @@ def lr_factor(epochs_done, epochs, schedule, warmup_epochs=0.0, warmup_start=1.0
     if schedule == "cosine":
         progress = (epochs_done - warmup_epochs) / max(1e-9, epochs - warmup_epochs)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    if schedule == "step":
+    if schedule in ("step", "multistep"):
         return gamma ** sum(1 for m in milestones if epochs_done >= m)
     if schedule == "exponential":
         return gamma ** epochs_done
@@ -47,5 +47,6 @@ class LRSchedule:
         """Set the rate for this point of training on every parameter group; returns it."""
         lr = self.lr(epochs_done)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            # timm's layer-wise decay (--layer-decay) gives each group its share of the rate.
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         return lr

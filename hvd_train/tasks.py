@@ -28,18 +28,28 @@ from hvd_train.plugins import call
 
 class Classification:
     """Cross-entropy on logits; top-1 and top-5 accuracy in percent (top-5 only with more than 5 classes, where it
-    is not always 100%). batch: (inputs, class indices)."""
+    is not always 100%). batch: (inputs, class indices), or (mixed inputs, class indices, soft targets) under
+    mixup/CutMix (hvd_train/regularize.py), whose accuracy counts against each input's own class.
+
+    Training follows timm's train.py: soft targets -> SoftTargetCrossEntropy, label smoothing ->
+    LabelSmoothingCrossEntropy, and BinaryCrossEntropy for either with --bce-loss; evaluation (the model in eval
+    mode) always reports plain cross-entropy, so validation losses compare across recipes."""
     metrics = ("acc1", "acc5")
     best_metric, best_mode = "val_acc1", "max"
     percent = ("acc1", "acc5")  # metrics in percent: a --stop-at above 100 can never be reached
 
-    def __init__(self, num_classes=None):
+    def __init__(self, num_classes=None, smoothing=0.0, bce_loss=False):
         if num_classes is not None and num_classes <= 5:
             self.metrics = ("acc1",)
+        self.train_loss, self.bce = training_loss(smoothing, bce_loss), bce_loss
 
     def loss(self, model, batch):
         inputs, labels = batch[0], batch[1]
         logits = model(inputs)
+        if model.training and len(batch) > 2:  # mixed: the targets carry the smoothing already
+            return {"loss": (self.train_loss if self.bce else soft_cross_entropy)(logits, batch[2])}, logits
+        if model.training and self.train_loss is not None:
+            return {"loss": self.train_loss(logits, labels)}, logits
         return {"loss": F.cross_entropy(logits, labels)}, logits
 
     def metric_sums(self, logits, batch):
@@ -48,6 +58,22 @@ class Classification:
         hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels.unsqueeze(1)
         sums = {"acc1": 100.0 * hits[:, 0].sum(), "acc5": 100.0 * hits.any(dim=1).sum()}
         return {k: sums[k] for k in self.metrics}
+
+
+def training_loss(smoothing, bce):
+    """timm's training loss for label smoothing and --bce-loss (its BCE takes soft targets too), or None for plain
+    cross-entropy."""
+    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy
+
+    if bce:
+        return BinaryCrossEntropy(smoothing=smoothing)
+    return LabelSmoothingCrossEntropy(smoothing=smoothing) if smoothing else None
+
+
+def soft_cross_entropy(logits, targets):
+    from timm.loss import SoftTargetCrossEntropy
+
+    return SoftTargetCrossEntropy()(logits, targets)
 
 
 class VAE:

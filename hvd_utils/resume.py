@@ -29,3 +29,9 @@ def broadcast_loaded(model, optimizer=None):
         if optimizer is not None:
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+
+def broadcast_module(module, root_rank=0):
+    """Rank 0's state of a module that is not the trained model (the weights' average, --model-ema) to every rank."""
+    if hvd.size() > 1:
+        hvd.broadcast_parameters(module.state_dict(), root_rank=root_rank)

@@ -198,6 +198,20 @@ def test_bench_comm_and_compile_sections_write_their_rows(tmp_path):
     assert sum("empty cache" in c for _, c in rows) == 2 and sum("cached (rerun)" in c for _, c in rows) == 1
 
 
+def test_bench_recipe_section_compares_the_recipes_with_timms_loop(tmp_path):
+    cmd = [sys.executable, "bench/run.py", "--quick", "--repeats", "1", "--sections", "recipe", "--results-dir",
+           str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]
+    names = [r["figure"] for r in rows]
+    assert names == ["val top-1, plain (--no-aug)", "val top-1, default augmentation", "val top-1, full recipe",
+                     "val top-1, full recipe through timm's components"]
+    for row in rows:
+        assert len(row["values"]) == 2 and all(0 <= v <= 100 for v in row["values"]) and row["sd"] >= 0
+    assert "timm's components" in next(tmp_path.glob("*.md")).read_text()
+
+
 def test_bench_refuses_unknown_sections():
     proc = subprocess.run([sys.executable, "bench/run.py", "--sections", "overhead,speed"], cwd=ROOT,
                           env=job_env(), capture_output=True, text=True, timeout=60)

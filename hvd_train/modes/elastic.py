@@ -119,8 +119,10 @@ def run(cfg, rt):
         sampler = elastic.sampler(train_set, cfg.run.seed)
         sampler.set_epoch(1)
         train_loader = build_loaders(train_set, val_set, spec, rt.rank, rt.size, train_sampler=sampler)[0]
+    # The weights' average (--model-ema) is a module: Horovod's state saves, restores and syncs it like the model.
+    averaged = {"ema": trainer.ema} if trainer.ema is not None else {}
     st = elastic.state(trainer.model, trainer.optimizer, sampler, epoch=1, batch=0, steps=0, claimed=False,
-                       run={}, resets=0, redone=0)
+                       run={}, resets=0, redone=0, **averaged)
     if streamed:
         hooks = StreamedElasticHooks(st, after_epoch)
     else:
@@ -160,6 +162,8 @@ def run(cfg, rt):
             elif cfg.model.init_from:
                 load_initial_weights(cfg, trainer.model)  # on rank 0, then to the others (the commit keeps them)
                 hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
+                if trainer.ema is not None:
+                    trainer.ema.restart(trainer.model)
             st.claimed = True
             take_roles()  # only now: rank 0's reporter writes into the directory it has claimed
             if elastic.world()[0] == 0:

@@ -7,6 +7,7 @@ from hvd_train.data import build_loaders
 from hvd_train.build import build_model_for, build_task, loader_spec, prepare_data
 from hvd_train.engine import evaluate_all
 from hvd_train.errors import CheckpointError
+from hvd_train.regularize import weight_average
 from hvd_train.run_dir import RunDir, write_json
 from hvd_train.run_state import checkpoint_fits, load_everywhere
 
@@ -22,11 +23,20 @@ def run(cfg, rt):
         raise CheckpointError(f"--evaluate --resume auto: no checkpoint in {run_dir.checkpoints} to evaluate")
     task = build_task(cfg, info)
     model = build_model_for(cfg, info, rt.device)
-    meta = load_everywhere(path, model, checkpoint_fits(cfg, info, task, continuing=False))
+    ema = weight_average(cfg, model)  # --model-ema runs: the checkpoint's average is measured too
+    meta = load_everywhere(path, model, checkpoint_fits(cfg, info, task, continuing=False), ema=ema)
     metrics = evaluate_all(model, task, val_loader, rt.device, cfg.optim.amp)
-    log.info("evaluated %s (epoch %d) on %d samples: %s", path, meta["epoch"], metrics["count"],
-             "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "count"))
+    say(path, meta, "", metrics)
+    if ema is not None:
+        averaged = evaluate_all(ema.module, task, val_loader, rt.device, cfg.optim.amp)
+        say(path, meta, " (the weights' average)", averaged)
+        metrics.update({f"ema_{k}": v for k, v in averaged.items() if k != "count"})
     if rt.is_main:
         os.makedirs(run_dir.root, exist_ok=True)
         write_json(run_dir.evaluation, {"checkpoint": path, "epoch": meta["epoch"], "world_size": rt.size, **metrics})
     return 0
+
+
+def say(path, meta, what, metrics):
+    log.info("evaluated %s%s (epoch %d) on %d samples: %s", path, what, meta["epoch"], metrics["count"],
+             "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "count"))

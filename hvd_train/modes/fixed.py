@@ -37,6 +37,8 @@ def run(cfg, rt):
                 log.info("--resume auto: no checkpoint in %s yet, starting afresh", run_dir.checkpoints)
             # Horovod: every rank starts from rank 0's weights and optimizer state.
             hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
+            if trainer.ema is not None:  # --model-ema averages from the weights every rank now holds
+                trainer.ema.restart(trainer.model)
         outputs = outputs_for(cfg, info, trainer.task, rt.is_main, state, run_dir)
         attach_profiler(trainer, cfg, rt, run_dir)  # --profile: recording starts in the directory this run owns
         outputs.reporter.track(open_trackers(cfg, rt, state))  # MLflow, W&B: on rank 0
