@@ -165,10 +165,16 @@ class ThroughPIL:
         return pil_to_tensor(out.convert("L") if grey else out).float() / 255.0
 
 
-def sample_seed(seed, epoch, index):
-    """The seed of one sample's transforms in one epoch: a hash, so neighbouring seeds give unrelated streams."""
-    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
+def derived_seed(*parts, size=8):
+    """A seed made from `parts` (the run's seed, an epoch, a sample or a step, ...) by a hash, so neighbouring
+    parts give unrelated streams: `size` bytes of it (4 for NumPy, whose seeds are below 2**32), below 2**63."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=size).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def sample_seed(seed, epoch, index):
+    """The seed of one sample's transforms in one epoch."""
+    return derived_seed(seed, epoch, index)
 
 
 class SeededBatches:

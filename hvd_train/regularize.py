@@ -8,11 +8,11 @@ weights, both through timm's own classes (timm.data.Mixup, timm.utils.ModelEmaV3
   each step, so their averages are too; BatchNorm statistics are not (each rank's come from its own samples), so
   the average's buffers are averaged over the ranks with the model's once per epoch, before validation.
 """
-import hashlib
-
 import numpy as np
 import torch
 from torch import nn
+
+from hvd_train.data.augment import derived_seed
 
 
 class Mixing:
@@ -21,16 +21,16 @@ class Mixing:
 
     def __init__(self, aug_cfg, num_classes, seed, rank):
         from timm.data import Mixup
+        from timm.data.mixup import mixup_target
 
         self.mixup = Mixup(mixup_alpha=aug_cfg.mixup, cutmix_alpha=aug_cfg.cutmix, prob=aug_cfg.mixup_prob,
                            switch_prob=aug_cfg.mixup_switch_prob, mode=aug_cfg.mixup_mode,
                            label_smoothing=aug_cfg.smoothing, num_classes=num_classes)
         self.off_epoch, self.seed, self.rank = aug_cfg.mixup_off_epoch, seed, rank
         self.smoothing, self.num_classes = aug_cfg.smoothing, num_classes
+        self.one_hot = mixup_target  # (labels, classes, weight 1, smoothing): an unmixed sample's target
 
     def __call__(self, batch, epoch, step):
-        from timm.data.mixup import mixup_target
-
         images, labels = batch[0], batch[1]
         # timm's batch and pair modes pair each sample with its mirror in the batch: an odd last sample is left
         # unmixed, with its (smoothed) one-hot target.
@@ -38,20 +38,15 @@ class Mixing:
         self.mixup.mixup_enabled = not (self.off_epoch and epoch >= self.off_epoch)
         state = np.random.get_state()
         try:
-            np.random.seed(_seed(self.seed, self.rank, epoch, step))
+            np.random.seed(derived_seed("mix", self.seed, self.rank, epoch, step, size=4))
             mixed, targets = self.mixup(images[:even].clone(), labels[:even]) if even else (images[:0], None)
         finally:
             np.random.set_state(state)
         if even < images.shape[0]:
-            rest = mixup_target(labels[even:], self.num_classes, 1.0, self.smoothing)
+            rest = self.one_hot(labels[even:], self.num_classes, 1.0, self.smoothing)
             mixed = torch.cat([mixed, images[even:]])
             targets = rest if targets is None else torch.cat([targets, rest])
         return (mixed, labels, targets)
-
-
-def _seed(seed, rank, epoch, step):
-    digest = hashlib.blake2b(f"mix:{seed}:{rank}:{epoch}:{step}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
 
 
 class WeightAverage(nn.Module):
@@ -97,8 +92,3 @@ def weight_average(cfg, model):
     if not cfg.model.ema:
         return None
     return WeightAverage(model, cfg.model.ema_decay, cfg.model.ema_warmup)
-
-
-def ema_key(metric):
-    """The record key of the average's value of a val_ metric (val_acc1 -> val_ema_acc1); None for others."""
-    return "val_ema_" + metric[4:] if metric.startswith("val_") else None
