@@ -42,8 +42,11 @@ class Augmentation:
 
     @classmethod
     def from_config(cls, aug_cfg):
-        return cls(not aug_cfg.no_aug, aug_cfg.aa, aug_cfg.color_jitter, aug_cfg.reprob, aug_cfg.remode,
-                   aug_cfg.recount)
+        """The run's augmentation. torchvision makes the transforms; in an environment without it (an install into
+        an existing torch, which may lack it: scripts/install.sh names what is missing) the samples go as they
+        are, and describe() says why."""
+        return cls(not aug_cfg.no_aug and torchvision_installed(), aug_cfg.aa, aug_cfg.color_jitter, aug_cfg.reprob,
+                   aug_cfg.remode, aug_cfg.recount)
 
     @property
     def extra(self):
@@ -91,12 +94,19 @@ class Augmentation:
     def describe(self, kind):
         """One line for the log and the summary: what training samples go through."""
         if not self.enabled:
-            return "off (--no-aug)"
+            return "off (--no-aug)" if torchvision_installed() else "off (torchvision is not installed: pip install " \
+                "torchvision for the default augmentation)"
         base = {"natural": "random crop (padding 1/8) + flip", "digits": "random affine (10 deg, 10%)",
                 "photos": "RandomResizedCrop + flip", "none": "none (random data)"}.get(kind, "the data set's own")
         extras = [f"aa {self.aa}" if self.aa else "", f"color jitter {self.color_jitter:g}" if self.color_jitter
                   and not self.aa else "", f"random erasing {self.reprob:g} ({self.remode})" if self.reprob else ""]
         return ", ".join([base] + [e for e in extras if e])
+
+
+def torchvision_installed():
+    import importlib.util
+
+    return importlib.util.find_spec("torchvision") is not None
 
 
 def auto_augment(spec, size, mean):

@@ -63,11 +63,17 @@ class Classification:
 def training_loss(smoothing, bce):
     """timm's training loss for label smoothing and --bce-loss (its BCE takes soft targets too), or None for plain
     cross-entropy."""
-    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy
-
+    # timm is imported only where one of them is asked for: a plain run needs none (an offline install against an
+    # existing torch may not have it).
     if bce:
+        from timm.loss import BinaryCrossEntropy
+
         return BinaryCrossEntropy(smoothing=smoothing)
-    return LabelSmoothingCrossEntropy(smoothing=smoothing) if smoothing else None
+    if smoothing:
+        from timm.loss import LabelSmoothingCrossEntropy
+
+        return LabelSmoothingCrossEntropy(smoothing=smoothing)
+    return None
 
 
 def soft_cross_entropy(logits, targets):
