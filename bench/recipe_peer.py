@@ -24,7 +24,7 @@ from hvd_train.models import build_model
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--epochs", type=int, default=100)
     p.add_argument("--image-size", type=int, default=16)
     p.add_argument("--val-fraction", type=float, default=0.75)
     p.add_argument("--batch-size", type=int, default=32)

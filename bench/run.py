@@ -387,8 +387,8 @@ def recipe_top1(summary):
 def section_recipe(b):
     """Validation top-1 on the small digits set, 3 seeds each: no augmentation, the default augmentation, the full
     recipe; and the full recipe through timm's components in a plain loop (bench/recipe_peer.py)."""
-    epochs = "2" if b.args.quick else "30"
-    seeds = RECIPE_SEEDS[:2] if b.args.quick else RECIPE_SEEDS
+    epochs = "2" if b.args.quick else "100"
+    seeds = RECIPE_SEEDS[:1] if b.args.quick else RECIPE_SEEDS
     variants = (("plain (--no-aug)", ["--no-aug"]), ("default augmentation", []), ("full recipe", RECIPE_FULL))
     rows = []
     for name, flags in variants:

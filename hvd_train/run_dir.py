@@ -126,6 +126,12 @@ def reported_write(path, then=""):
         raise CheckpointError(f"could not write {path}: {why}{then}") from None
 
 
+def write_config(path, cfg):
+    """The run's settings (config.json), written whole; a failed write is one CheckpointError."""
+    with reported_write(path):
+        write_json(path, cfg.to_dict())
+
+
 def check_writable(root, tidy=True):
     """Prove that the output directory can be made and written (rank 0, before any data or model is built). tidy:
     leave no new directory behind, so a run that then stops on a data or setting error leaves the disk as it was

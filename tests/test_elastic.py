@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, ROOT, job_env, read_json
+from conftest import BIN, ROOT, app_output, job_env, read_json
 
 pytestmark = pytest.mark.distributed
 COMMIT_EVERY = 5
@@ -95,3 +95,25 @@ def test_a_killed_worker_leaves_the_survivor_to_finish_with_at_most_one_commit_r
     assert [h["epoch"] for h in summary["history"]] == [1, 2, 3, 4, 5, 6]
     assert all(h["val_count"] == 359 for h in summary["history"])
     assert summary["final_val_acc1"] > 80.0
+
+
+def test_an_unwritable_config_and_a_refused_init_file_end_an_elastic_job_with_one_line(tmp_path):
+    # The same steps as a fixed run's: config.json written under decide_on_root (a full disk or a directory in its
+    # place stops every worker together), --init-from read before the output directory is claimed.
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    env = {**job_env(), "HVD_HOSTS_FILE": str(hosts), "OMP_NUM_THREADS": "1"}
+    (tmp_path / "blocked" / "config.json").mkdir(parents=True)
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    cases = [(["--output-dir", tmp_path / "blocked"], "could not write"),
+             (["--output-dir", tmp_path / "fresh", "--init-from", tmp_path / "junk.pt"], "--init-from")]
+    for args, needle in cases:
+        cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+               str(ROOT / "hostfiles" / "discover_hosts.py"), sys.executable, str(ROOT / "train_hvd.py"), "--elastic",
+               "--epochs", "1", "--logging.progress=false", *map(str, args)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        output = proc.stdout + proc.stderr
+        errors = [line for line in output.splitlines() if "train_hvd.py: error:" in line]
+        assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0], output[-3000:]
+        assert "Traceback" not in app_output(output), output[-3000:]
+    assert list((tmp_path / "fresh").iterdir()) == []  # the refused file left no claimed directory behind

@@ -18,8 +18,11 @@ def last_checkpoint(out):
 
 @pytest.mark.distributed
 def test_resuming_is_bitwise_exact(tmp_path):
-    # Warmup, then a step decay at epoch 3, momentum and dropout: every piece of state matters.
-    common = ["--lr-schedule", "step", "--optim.lr_milestones", "3", "--warmup-epochs", "1", *QUIET]
+    # Warmup, then a step decay at epoch 3, momentum and dropout: every piece of state matters. So do the seeded
+    # draws of augmentation (RandAugment, erasing) in loader workers, of mixup/CutMix, and the weight average.
+    common = ["--lr-schedule", "step", "--optim.lr_milestones", "3", "--warmup-epochs", "1", "--model-ema",
+              "--model-ema-warmup", "--mixup", "0.4", "--cutmix", "1.0", "--aa", "rand-m7-mstd0.5", "--reprob", "0.3",
+              "--workers", "2", *QUIET]
     launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "straight", "--epochs", "4", *common)
     launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "2", *common)
     proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "4", "--resume", "auto",
@@ -27,8 +30,9 @@ def test_resuming_is_bitwise_exact(tmp_path):
     assert "resuming after epoch 2" in proc.stdout
     straight, resumed = last_checkpoint(tmp_path / "straight"), last_checkpoint(tmp_path / "resumed")
     assert straight["epoch"] == resumed["epoch"] == 4
-    for name, value in straight["model"].items():
-        assert torch.equal(value, resumed["model"][name]), f"{name} differs after resuming"
+    for part in ("model", "ema"):
+        for name, value in straight[part].items():
+            assert torch.equal(value, resumed[part][name]), f"{part}.{name} differs after resuming"
     for key, state in straight["optimizer"]["state"].items():
         assert torch.equal(state["momentum_buffer"], resumed["optimizer"]["state"][key]["momentum_buffer"])
     # The schedule's position: the rate follows from the steps done (hvd_train/schedule.py).
@@ -36,8 +40,9 @@ def test_resuming_is_bitwise_exact(tmp_path):
     assert straight["optimizer"]["param_groups"][0]["lr"] == resumed["optimizer"]["param_groups"][0]["lr"]
     history = read_json(tmp_path / "resumed" / "summary.json")["history"]
     assert [h["epoch"] for h in history] == [1, 2, 3, 4]
-    assert [h["val_loss"] for h in history] == \
-        [h["val_loss"] for h in read_json(tmp_path / "straight" / "summary.json")["history"]]
+    for key in ("val_loss", "val_ema_loss"):
+        assert [h[key] for h in history] == \
+            [h[key] for h in read_json(tmp_path / "straight" / "summary.json")["history"]]
 
 
 @pytest.mark.distributed

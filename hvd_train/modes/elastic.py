@@ -15,7 +15,7 @@ from hvd_train.build import (attach_profiler, build_trainer, check_shards, load_
 from hvd_train.engine import Hooks, fit
 from hvd_train.errors import ConfigError
 from hvd_train.reporting import finish, log_setup
-from hvd_train.run_dir import write_json
+from hvd_train.run_dir import write_config
 from hvd_train.run_state import AfterEpoch, RunState, outputs_for, resume
 from hvd_utils import elastic
 
@@ -153,21 +153,23 @@ def run(cfg, rt):
         if st.claimed:
             take_roles()  # again: a worker that joined the running job has seen no reset to call it
         else:
+            # --init-from on rank 0, before the output directory is claimed (as in a fixed run): a file that does
+            # not fit leaves nothing behind. A resumed run then replaces these weights with its checkpoint's.
+            load_initial_weights(cfg, trainer.model)
             resume_from = hvd_utils.decide_on_root(
                 lambda: outputs.run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite), "output_dir")
             if resume_from:
                 resume(resume_from, trainer, state, outputs.fits)
                 st.epoch, st.steps = state.epoch + 1, state.step
                 sampler.set_epoch(st.epoch)
-            elif cfg.model.init_from:
-                load_initial_weights(cfg, trainer.model)  # on rank 0, then to the others (the commit keeps them)
+            elif cfg.model.init_from:  # rank 0's weights to the others (the commit keeps them)
                 hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
                 if trainer.ema is not None:
                     trainer.ema.restart(trainer.model)
             st.claimed = True
             take_roles()  # only now: rank 0's reporter writes into the directory it has claimed
-            if elastic.world()[0] == 0:
-                write_json(outputs.run_dir.config, cfg.to_dict())
+            # A full disk stops every worker with one line, as in a fixed run (every worker is in this loop).
+            hvd_utils.decide_on_root(lambda: write_config(outputs.run_dir.config, cfg), "config")
             log_setup(cfg, rt, info, trainer, st.epoch - 1)
             st.commit()
         attach_profiler(trainer, cfg, rt, outputs.run_dir)  # once the directory is claimed (by this or another)

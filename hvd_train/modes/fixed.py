@@ -7,7 +7,7 @@ from hvd_train import interrupt, watchdog
 from hvd_train.build import attach_profiler, build_data, build_trainer, load_initial_weights
 from hvd_train.engine import Hooks, fit
 from hvd_train.reporting import finish, log_rescale, log_setup
-from hvd_train.run_dir import RunDir, reported_write, write_json
+from hvd_train.run_dir import RunDir, write_config
 from hvd_train.run_state import AfterEpoch, RunState, checkpoint_fits, outputs_for, resume
 from hvd_train.tracking import open_trackers
 
@@ -64,8 +64,3 @@ def run(cfg, rt):
             watchdog.stop()
             outputs.reporter.close()
         return finish(cfg, rt, trainer, state, outputs.reporter)
-
-
-def write_config(path, cfg):
-    with reported_write(path):
-        write_json(path, cfg.to_dict())
