@@ -138,7 +138,8 @@ def build_loaders(train_set, val_set, spec, rank, world_size, train_sampler=None
 def shard_loaders(train_set, val_set, spec, rank, world_size):
     size = spec.image_size or train_set.facts.get("image_size")
     place = shards.Place(spec.seed, rank, world_size, spec.workers, spec.batch_size)
-    loaders = [shards.ShardLoader(split, spec, place, shards.transform_for(split.facts, size, split.train),
+    loaders = [shards.ShardLoader(split, spec, place,
+                                  shards.transform_for(split.facts, size, split.train, split.augment),
                                   _worker_context(spec.workers)) for split in (train_set, val_set)]
     return loaders[0], loaders[1], loaders[0]
 

@@ -97,7 +97,8 @@ class Augmentation:
             return "off (--no-aug)" if torchvision_installed() else "off (torchvision is not installed: pip install " \
                 "torchvision for the default augmentation)"
         base = {"natural": "random crop (padding 1/8) + flip", "digits": "random affine (10 deg, 10%)",
-                "photos": "RandomResizedCrop + flip", "none": "none (random data)"}.get(kind, "the data set's own")
+                "photos": "RandomResizedCrop + flip", "none": "none (random data)",
+                "shards": "that of the data set the shards were written from"}.get(kind, "the data set's own")
         extras = [f"aa {self.aa}" if self.aa else "", f"color jitter {self.color_jitter:g}" if self.color_jitter
                   and not self.aa else "", f"random erasing {self.reprob:g} ({self.remode})" if self.reprob else ""]
         return ", ".join([base] + [e for e in extras if e])

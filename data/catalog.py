@@ -5,6 +5,7 @@ A factory is called with the settings it names as parameters (`data_dir`, `image
 of its own, and the app holds out `data.val_fraction`. The default of a factory's `image_size` is the data set's
 native size. A factory with a `download(data_dir)` attribute is fetched by `--download` (once per host).
 """
+import dataclasses
 import inspect
 from functools import partial
 
@@ -78,9 +79,12 @@ def imagefolder(data_dir, image_size=224, skip_bad_files=False, augment=NO_AUGME
     return train, val, {**image_facts(3, len(train.classes), image_size, val), "held_out": not presplit}
 
 
-def shard_sets(train_shards="", val_shards="", shard_index="", image_size=0):
-    """WebDataset tars written by `hvd-train shard`; the facts come from their index."""
+def shard_sets(train_shards="", val_shards="", shard_index="", image_size=0, augment=NO_AUGMENTATION):
+    """WebDataset tars written by `hvd-train shard`; the facts come from their index. Training samples are
+    augmented as the data set they were written from (the index's source) would be."""
     train, val, facts = shards.open_sets(train_shards, val_shards, shard_index)
+    kind = "photos" if facts.get("transform") == "photos" else KIND_OF.get(facts.get("source"))
+    train = dataclasses.replace(train, augment=(augment, kind))
     if facts.get("transform") == "samples":  # a user's data set: its own facts, as its factory gave them
         known = {k: facts.get(k) for k in ("in_channels", "num_classes", "image_size") if facts.get(k) is not None}
         return train, val, {**known, **(facts.get("extra") or {})}
@@ -94,7 +98,7 @@ DATASETS = {"digits": digits, "synthetic": synthetic, "mnist": _mnist_like(mnist
             "shards": shard_sets}
 # The kind of images each data set holds, which decides its default augmentation (data/augment.py).
 KIND_OF = {"digits": "digits", "mnist": "digits", "fashion_mnist": "natural", "cifar10": "natural",
-           "cifar100": "natural", "stl10": "natural", "imagefolder": "photos", "shards": "photos",
+           "cifar100": "natural", "stl10": "natural", "imagefolder": "photos", "shards": "shards",
            "synthetic": "none"}
 CHOICES = f"choose one of: {', '.join(DATASETS)}"
 # The data sets read from --data-dir.

@@ -49,6 +49,7 @@ class ShardSet:
     counts: tuple
     facts: dict
     train: bool
+    augment: object = None  # training: (data.augment.Augmentation, kind of images) the loader transforms with
 
     def __len__(self):
         return sum(self.counts)
@@ -175,21 +176,28 @@ def check_plan(shards, world_size, batch_size, workers, epoch=1, seed=0):
 # Reading
 
 
-def transform_for(facts, image_size, train):
-    """Photos (written from an image folder) get ImageFolder's crops and flips; arrays (CIFAR, MNIST, ...) are
-    only scaled to image_size and normalized with their data set's mean and std, as when read from their files."""
+def transform_for(facts, image_size, train, augment=None):
+    """Photos (written from an image folder) get ImageFolder's transforms; arrays (CIFAR, MNIST, ...) are scaled to
+    image_size and normalized with their data set's mean and std, as when read from their files, and in training
+    augmented as the data set they were written from is (augment: (Augmentation, kind) or None)."""
     from torchvision import transforms as T
 
+    augmentation, kind = augment or (None, None)
     if facts.get("transform") == "photos":
         from hvd_train.data.imagefolder import transforms
 
-        return transforms(image_size, train)
+        return transforms(image_size, train, augmentation)
     steps = [T.ToTensor()]
     if image_size != facts.get("image_size"):
         steps.append(T.Resize((image_size, image_size), antialias=True))
     channels = facts.get("in_channels", 3)
-    steps.append(T.Normalize(facts.get("mean", [0.0] * channels), facts.get("std", [1.0] * channels)))
-    return T.Compose(steps)
+    mean, std = facts.get("mean", [0.0] * channels), facts.get("std", [1.0] * channels)
+    erase = None
+    if train and augmentation is not None and kind in ("natural", "digits"):
+        steps.append(augmentation.tensor_transform(kind, image_size, mean, std))
+        erase = augmentation.erasing()
+    steps.append(T.Normalize(mean, std))
+    return T.Compose([step for step in steps + [erase] if step is not None])
 
 
 def rebuild(sample, shape, url, prefix=""):
@@ -266,8 +274,12 @@ class ShardStream(IterableDataset):
         worker, epoch = (info.id if info is not None else 0), int(self.epoch[0])
         if info is not None:
             # A worker's random crops and flips depend on the epoch alone, not on how many epochs this worker has
-            # lived: a resumed run's fresh workers draw what an uninterrupted run's draw.
-            torch.manual_seed(hash_seed(f"{self.place.seed}:{epoch}:{self.place.rank}:{worker}"))
+            # lived: a resumed run's fresh workers draw what an uninterrupted run's draw. (timm's policies draw
+            # from Python's and NumPy's generators.)
+            seed = hash_seed(f"{self.place.seed}:{epoch}:{self.place.rank}:{worker}")
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
         samples = self.samples(self.plan(epoch)[0][worker])
         if self.shards.train:
             rng = random.Random(f"{self.place.seed}:{epoch}:{self.place.rank}:{worker}")

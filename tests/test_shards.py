@@ -160,6 +160,29 @@ def test_loader_workers_read_the_epoch_they_are_told_and_resume_reads_the_same(d
     assert [labels.tolist() for _, labels in fresh] == second != first
 
 
+def test_training_shards_are_augmented_as_their_source_data_set_and_reproducibly(digits_shards):
+    from hvd_train.data.augment import Augmentation
+
+    dc = DataConfig(dataset="shards", train_shards=f"{digits_shards}/train-{{000000..000004}}.tar",
+                    val_shards=f"{digits_shards}/val-{{000000..000001}}.tar")
+
+    def images(augment, workers=0, epoch=1):
+        (batches, val_labels), = read_epoch(*build_datasets(dc, 0, augment)[:2], world=1, epoch=epoch,
+                                            workers=workers)
+        return [tuple(image.flatten().tolist()) for images, _ in batches for image in images], val_labels
+
+    plain, plain_val = images(None)
+    unchanged = set(plain)
+    off, off_val = images(Augmentation(enabled=False))  # --no-aug
+    assert off == plain and torch.equal(off_val, plain_val)
+    augmented, augmented_val = images(Augmentation())  # the digits' default: a small random affine
+    # At 8x8 pixels a small rotation or scale often rounds to the same pixels: most, not all, samples change.
+    assert sum(image in unchanged for image in augmented) < len(augmented) // 2
+    assert torch.equal(augmented_val, plain_val)
+    # Seeded per epoch, rank and loader worker: a resumed run's fresh workers draw what an uninterrupted run's drew.
+    assert images(Augmentation(), workers=1, epoch=2)[0] == images(Augmentation(), workers=1, epoch=2)[0]
+
+
 def test_shards_of_unequal_size_never_leave_a_rank_without_a_step(tmp_path):
     # 7 shards (six of 5 samples, one of 2) for 3 ranks: one rank gets 3 shards, the others 2, yet every rank runs
     # as many steps as the poorest has (by design: no rank waits in an allreduce for another that has run out).
