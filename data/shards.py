@@ -18,7 +18,6 @@ one without talking to the others:
 Resuming starts the next epoch of the checkpoint with the same plan an uninterrupted run has, so a resumed run reads
 exactly the samples, in the same order, that one that never stopped reads, and no epoch reads a sample twice.
 """
-import hashlib
 import io
 import json
 import os
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from hvd_train.data.augment import derived_seed
 from hvd_train.data.errors import UNREADABLE_IMAGE, BadSampleError, DataError
 from hvd_train.data.images import as_mode
 
@@ -276,7 +276,7 @@ class ShardStream(IterableDataset):
             # A worker's random crops and flips depend on the epoch alone, not on how many epochs this worker has
             # lived: a resumed run's fresh workers draw what an uninterrupted run's draw. (timm's policies draw
             # from Python's and NumPy's generators.)
-            seed = hash_seed(f"{self.place.seed}:{epoch}:{self.place.rank}:{worker}")
+            seed = derived_seed(self.place.seed, epoch, self.place.rank, worker)
             torch.manual_seed(seed)
             random.seed(seed)
             np.random.seed(seed % 2**32)
@@ -335,10 +335,6 @@ def unreachable(url):
 def describe(error):
     text = str(error.args[0]) if error.args else type(error).__name__
     return text.split(" @ ")[0]  # webdataset appends the stream's repr
-
-
-def hash_seed(text):
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2 ** 63 - 1)
 
 
 def shuffled(samples, size, rng):
