@@ -20,7 +20,7 @@ from hvd_train.datasets import build_datasets, dataset_factory
 from hvd_train.engine import StepOptions, Trainer, to_device
 from hvd_train.config import OPTIMIZERS
 from hvd_train.errors import ConfigError
-from hvd_train.plugins import call, is_import_path, resolve
+from hvd_train.plugins import call, is_import_path, resolve, takes
 from hvd_train.profiling import StepProfiler
 from hvd_train.data.augment import Augmentation, check_policy
 from hvd_train.regularize import Mixing, weight_average
@@ -204,19 +204,12 @@ def drop_path_args(cfg):
     if name.startswith(models.TIMM_PREFIX):
         return {"drop_path_rate": rate}
     factory = model_factory(cfg)
-    if is_import_path(name) and accepts(factory, "drop_path_rate") and not _open_ended(factory):
+    if is_import_path(name) and takes(factory, "drop_path_rate"):
         return {"drop_path_rate": rate}
     if name in models.torchvision_names():
         return {"stochastic_depth_prob": rate}  # refused when building where the model has none
     raise ConfigError(f"model.drop_path (--drop-path): {name} has no stochastic depth to set (it has no "
                       f"drop_path_rate parameter); leave --drop-path out for this model")
-
-
-def _open_ended(factory):
-    try:
-        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(factory).parameters.values())
-    except (TypeError, ValueError):
-        return True
 
 
 def set_grad_checkpointing(model, name):
