@@ -55,8 +55,11 @@ def main():
     train_idx, val_idx = split_indices(len(y), args.val_fraction, 0)  # the app's split (data.split_seed 0)
     fix_posterize()
     size = args.image_size
-    policy = rand_augment_transform(args.aa, {"translate_const": int(size * 0.45), "img_mean": (0, 0, 0)})
-    augment = T.Compose([T.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1)), ThroughPIL(policy)])
+    steps = [T.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1))]
+    if args.aa:
+        policy = rand_augment_transform(args.aa, {"translate_const": int(size * 0.45), "img_mean": (0, 0, 0)})
+        steps.append(ThroughPIL(policy))
+    augment = T.Compose(steps)
     erase = RandomErasing(args.reprob, mode="pixel", device="cpu")
     mixup = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing, num_classes=10)
     model = build_model("small_cnn", 1, 10, size)
@@ -74,7 +77,7 @@ def main():
             yb = y[batch]
             if len(batch) % 2:  # timm's Mixup needs an even batch
                 xb, yb = xb[:-1], yb[:-1]
-            xb, targets = mixup(xb, yb)
+            xb, targets = mixup(xb, yb) if args.mixup or args.cutmix else (xb, F.one_hot(yb, 10).float())
             for group in optimizer.param_groups:  # cosine over the steps, as the app's default schedule
                 group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / (args.epochs * steps_per_epoch)))
             loss = loss_fn(model(xb), targets)

@@ -50,6 +50,7 @@ class LoaderSpec:
     pin_memory: bool = False  # page-locked batches (GPUs)
     image_size: int = 0       # tar shards: the size images are brought to (0: the index's)
     shuffle_buffer: int = 1000  # tar shards: samples held to shuffle the stream
+    drop_last: bool = False   # training: drop each rank's last incomplete batch (--data.drop_last)
 
 
 def _held_out(train, val, presplit, dc, where):
@@ -130,7 +131,8 @@ def build_loaders(train_set, val_set, spec, rank, world_size, train_sampler=None
     # Each training sample's random transforms are seeded from (seed, epoch, index): the same with any number of
     # workers and after a resume (data/augment.py).
     train_loader = DataLoader(SeededSamples(train_set),
-                              batch_sampler=SeededBatches(train_sampler, spec.batch_size, spec.seed), **common)
+                              batch_sampler=SeededBatches(train_sampler, spec.batch_size, spec.seed, spec.drop_last),
+                              **common)
     val_loader = DataLoader(val_set, sampler=val_sampler, batch_size=spec.batch_size, **common)
     return train_loader, val_loader, train_sampler
 

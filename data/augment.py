@@ -190,10 +190,12 @@ def sample_seed(seed, epoch, index):
 
 class SeededBatches:
     """The batch sampler of an augmented training set: the sampler's batches of indices as (index, seed) pairs,
-    the seed from the run's seed, the sampler's current epoch and the index. Read by SeededSamples."""
+    the seed from the run's seed, the sampler's current epoch and the index. Read by SeededSamples. drop_last:
+    the last batch is left out when it is incomplete (the sampler gives every rank as many samples, so every rank
+    still runs as many steps)."""
 
-    def __init__(self, sampler, batch_size, seed):
-        self.sampler, self.batch_size, self.seed = sampler, batch_size, seed
+    def __init__(self, sampler, batch_size, seed, drop_last=False):
+        self.sampler, self.batch_size, self.seed, self.drop_last = sampler, batch_size, seed, drop_last
 
     def __iter__(self):
         epoch = getattr(self.sampler, "epoch", 0)  # DistributedSampler's and Horovod's ElasticSampler's
@@ -203,10 +205,12 @@ class SeededBatches:
             if len(batch) == self.batch_size:
                 yield batch
                 batch = []
-        if batch:
+        if batch and not self.drop_last:
             yield batch
 
     def __len__(self):
+        if self.drop_last:
+            return len(self.sampler) // self.batch_size
         return -(-len(self.sampler) // self.batch_size)
 
 

@@ -356,7 +356,7 @@ def loader_spec(cfg, device):
     """The loaders' settings: a step's samples per rank (batch x batches per allreduce), seed, workers."""
     return LoaderSpec(cfg.optim.batch_size * cfg.horovod.batches_per_allreduce, cfg.run.seed, cfg.data.workers,
                       pin_memory=device.type == "cuda", image_size=cfg.data.image_size,
-                      shuffle_buffer=cfg.data.shuffle_buffer)
+                      shuffle_buffer=cfg.data.shuffle_buffer, drop_last=cfg.data.drop_last)
 
 
 def prepare_data(cfg):

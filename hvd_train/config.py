@@ -80,6 +80,9 @@ class DataConfig(_Section):
     val_fraction: float = opt(0.2, "share held out for validation where the data set has no split, 0 < x < 1")
     split_seed: int = opt(0, "seed of that split; fixed so every rank and every run agree")
     workers: int = opt(0, "DataLoader worker processes per rank (0: load in the training process)")
+    drop_last: bool = opt(True, "drop each rank's last incomplete training batch, as timm's loader does (a full-rate "
+                          "step on a handful of samples jolts the weights; the shuffle drops others each epoch); "
+                          "false: every sample every epoch. Tar shards always train on full batches")
     skip_bad_files: bool = opt(False, "imagefolder: decode every image once at start and leave out those that fail")
     train_shards: str = opt("", "shards: the training shards, a path, http(s):// URL or pipe: command with braces "
                             "for a range, e.g. 'shards/train-{000000..000099}.tar'")

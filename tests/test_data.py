@@ -80,6 +80,18 @@ def test_training_shards_are_disjoint_and_reshuffled_each_epoch():
     assert set(shards[0]).isdisjoint(shards[1]) and len(shards[0]) == len(shards[1]) == 50
 
 
+def test_the_last_incomplete_training_batch_is_dropped_unless_asked_to_keep_it():
+    # 25 samples on 2 ranks: 13 each (the sampler pads), 3 batches of 4 and one of 1 that a step would take alone.
+    dataset = TensorDataset(torch.arange(25).float().unsqueeze(1), torch.zeros(25, dtype=torch.long))
+    for drop_last, sizes in ((True, [4, 4, 4]), (False, [4, 4, 4, 1])):
+        for rank in range(2):
+            loader, val_loader, sampler = build_loaders(dataset, dataset, LoaderSpec(4, seed=3, drop_last=drop_last),
+                                                        rank, 2)
+            sampler.set_epoch(1)
+            assert [len(x) for x, _ in loader] == sizes and len(loader) == len(sizes)
+            assert sum(len(x) for x, _ in val_loader) in (12, 13)  # validation: every sample, once over the ranks
+
+
 def test_loader_workers_use_a_fork_safe_start_method():
     dataset = TensorDataset(torch.arange(8).float(), torch.zeros(8, dtype=torch.long))
     loader, _, _ = build_loaders(dataset, dataset, LoaderSpec(4, seed=0, workers=1), 0, 1)

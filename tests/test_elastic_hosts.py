@@ -154,7 +154,7 @@ def test_a_host_that_joins_grows_the_job_and_the_rate_and_shards_follow(three_ho
     cluster, out = three_hosts, tmp_path / "run"
     a, b, _ = cluster.hosts
     growth = Growth(tmp_path / "hosts.txt", a, b)
-    job = growth.job(cluster, out, extra=("--lr-schedule", "constant"))
+    job = growth.job(cluster, out, extra=("--lr-schedule", "constant", "--data.drop_last", "false"))
     output = follow(job, growth.on_line, out)
     assert growth.events == ["added", "grown"], output[-3000:]
     summary = check_finished(job, output, out, world_size=2)

@@ -164,7 +164,7 @@ def test_every_published_layout_trains_on_2_ranks(tmp_path, layout):
     dataset, write, (n_train, n_val), extra = LAYOUTS[layout]
     write(tmp_path / "data")
     launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "out", "--dataset", dataset, "--data-dir",
-           tmp_path / "data", "--epochs", "1", "--batch-size", "4", *extra, *QUIET)
+           tmp_path / "data", "--epochs", "1", "--batch-size", "4", "--data.drop_last", "false", *extra, *QUIET)
     summary = read_json(tmp_path / "out" / "summary.json")
     assert summary["dataset"] == dataset and summary["world_size"] == 2 and summary["params_in_sync"]
     record = summary["history"][0]
