@@ -104,7 +104,7 @@ def test_profile_on_rank_0_only_and_a_window_past_the_end(tmp_path):
     assert sorted(os.listdir(out / "profile")) == ["horovod_timeline.json", "rank0.trace.json"]
     assert "ProfilerStep#5" in _trace_names(out / "profile" / "rank0.trace.json")
 
-    # The digits' 45 steps per epoch on one process end before step 1001: the run says so and records nothing.
+    # The digits' 44 steps per epoch on one process end before step 1001: the run says so and records nothing.
     proc = train("single", 1, tmp_path / "late", "--epochs", "1", "--profile", "--profile-start", "1000")
     assert "before the profiled ones (--profile-start 1000): nothing was recorded" in proc.stdout
     assert not (tmp_path / "late" / "profile").exists()

@@ -103,7 +103,7 @@ def test_resuming_on_another_number_of_ranks_says_what_changes(tmp_path):
     launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "out", "--epochs", "2", *QUIET)
     proc = launch("single", 1, TRAIN, "--output-dir", tmp_path / "out", "--epochs", "3", "--resume", "auto", *QUIET)
     assert ("resuming on 1 rank(s) a run checkpointed on 2: learning rate 0.05 -> 0.025, global batch 64 -> 32 "
-            "(both follow the ranks); the schedule goes on by epochs from epoch 3/3, now of 45 steps") in proc.stdout
+            "(both follow the ranks); the schedule goes on by epochs from epoch 3/3, now of 44 steps") in proc.stdout
     summary = read_json(tmp_path / "out" / "summary.json")
     assert summary["world_size"] == 1
     assert [(r["previous_world_size"], r["world_size"], r["epoch"]) for r in summary["resumes"]] == [(2, 1, 2)]
