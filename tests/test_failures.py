@@ -56,7 +56,7 @@ FREEZE = 20  # --freeze-timeout of the frozen-rank tests: generous for a step of
 
 
 def frozen(launcher, tmp_path, mode):
-    """Rank 1 freezes (`mode` stop: SIGSTOP; hang: blocked in its step) at its 28th step, in epoch 2 (23 steps an
+    """Rank 1 freezes (`mode` stop: SIGSTOP; hang: blocked in its step) at its 28th step, in epoch 2 (22 steps an
     epoch), after epoch 1's checkpoint. Returns the job's output and the seconds from the freeze to the job's end."""
     return faulty(launcher, tmp_path, mode, step=28, extra=("--epochs", "3", "--freeze-timeout", FREEZE))
 
