@@ -230,19 +230,20 @@ class SeededSamples(Dataset):
             return self.dataset[key]
         index, seed = key
         if torch.utils.data.get_worker_info() is not None:  # a loader worker: nothing else draws there
-            _seed_all(seed)
+            seed_all(seed)
             return self.dataset[index]
         python, numpy = random.getstate(), np.random.get_state()
         try:
             with torch.random.fork_rng(devices=[]):
-                _seed_all(seed)
+                seed_all(seed)
                 return self.dataset[index]
         finally:
             random.setstate(python)
             np.random.set_state(numpy)
 
 
-def _seed_all(seed):
+def seed_all(seed):
+    """Seed torch's, Python's and NumPy's generators (NumPy's takes 32 bits) from one seed."""
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)

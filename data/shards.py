@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from hvd_train.data.augment import derived_seed
+from hvd_train.data.augment import derived_seed, seed_all
 from hvd_train.data.errors import UNREADABLE_IMAGE, BadSampleError, DataError
 from hvd_train.data.images import as_mode
 
@@ -276,10 +276,7 @@ class ShardStream(IterableDataset):
             # A worker's random crops and flips depend on the epoch alone, not on how many epochs this worker has
             # lived: a resumed run's fresh workers draw what an uninterrupted run's draw. (timm's policies draw
             # from Python's and NumPy's generators.)
-            seed = derived_seed(self.place.seed, epoch, self.place.rank, worker)
-            torch.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
+            seed_all(derived_seed(self.place.seed, epoch, self.place.rank, worker))
         samples = self.samples(self.plan(epoch)[0][worker])
         if self.shards.train:
             rng = random.Random(f"{self.place.seed}:{epoch}:{self.place.rank}:{worker}")

@@ -13,10 +13,10 @@ from mlflow.tracking import MlflowClient
 from conftest import BIN, QUIET, WORKERS, job_env, launch, read_json, run_app, wait_for
 from test_slurm import free_port
 
-# The digits on 2 ranks, 32 a batch: 23 steps per rank per epoch. Checkpoints every 2 epochs, so a crash in epoch
+# The digits on 2 ranks, 32 a batch: 22 full steps per rank per epoch. Checkpoints every 2 epochs, so a crash in epoch
 # 4 leaves epoch 3's record written but not committed: the resumed run trains it again.
 EPOCHS = ("--epochs", "4", "--batch-size", "32", "--checkpoint.every_epochs", "2")
-STEPS_PER_EPOCH = 22  # the digits: 719 samples per rank of 2, in full batches of 32
+STEPS_PER_EPOCH = 22
 
 
 @pytest.fixture
