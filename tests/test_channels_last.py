@@ -40,9 +40,9 @@ def test_one_process_trains_evaluates_and_benchmarks_channels_last(tmp_path, app
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return result
 
-    assert "amp off, channels-last" in run("--channels-last", "--epochs", "2", "--output-dir", tmp_path / "run").stdout
+    assert "amp off, channels-last" in run("--channels-last", "--epochs", "3", "--output-dir", tmp_path / "run").stdout
     summary = read_json(tmp_path / "run" / "summary.json")
-    assert summary["best_val_acc1"] > 30.0 and summary["params_in_sync"]  # it learns (chance: 10%) in 2 epochs
+    assert summary["best_val_acc1"] > 50.0 and summary["params_in_sync"]
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     weights = _conv_weights(ckpt["model"])  # torch.save keeps the strides the weights trained in
     assert weights and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
@@ -54,9 +54,9 @@ def test_one_process_trains_evaluates_and_benchmarks_channels_last(tmp_path, app
     evaluation = read_json(tmp_path / "eval" / "evaluation.json")
     assert evaluation["acc1"] == pytest.approx(summary["final_val_acc1"])
     # Continued in the default layout: its channels-last momentum from the checkpoint is laid out like the weights.
-    run("--epochs", "3", "--resume", "auto", "--channels-last=false", "--output-dir", tmp_path / "run")
+    run("--epochs", "4", "--resume", "auto", "--channels-last=false", "--output-dir", tmp_path / "run")
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
-    assert ckpt["epoch"] == 3 and all(w.is_contiguous() for w in _conv_weights(ckpt["model"]).values())
+    assert ckpt["epoch"] == 4 and all(w.is_contiguous() for w in _conv_weights(ckpt["model"]).values())
 
     bench = ["--benchmark", "--model", "small_cnn", "--image-size", "12", "--batch-size", "8", "--num-warmup-batches",
              "1", "--num-iters", "2", "--num-batches-per-iter", "2"]
