@@ -66,12 +66,13 @@ def main():
     ema = ModelEmaV3(model, decay=args.ema_decay, use_warmup=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = SoftTargetCrossEntropy()
-    steps_per_epoch = math.ceil(len(train_idx) / args.batch_size)
+    # timm's training loader drops the last incomplete batch (drop_last=True), as the app does by default.
+    steps_per_epoch = len(train_idx) // args.batch_size
     step = 0
     for epoch in range(args.epochs):
         model.train()
         order = [train_idx[i] for i in torch.randperm(len(train_idx)).tolist()]
-        for start in range(0, len(order), args.batch_size):
+        for start in range(0, steps_per_epoch * args.batch_size, args.batch_size):
             batch = order[start:start + args.batch_size]
             xb = torch.stack([erase(augment(x[i])) for i in batch])
             yb = y[batch]
