@@ -27,7 +27,7 @@ def run(model=None, train_set=None, val_set=None, task=None, facts=None, argv=No
     `val_set`; None: the app's split of train_set) with `task` (an instance or a class of the task interface,
     hvd_train/tasks.py), under the settings of `argv` (default: the command line). Each argument left out keeps
     the setting's choice (--model, --dataset, --task). Returns the exit code, as train_hvd.py's."""
-    import train_hvd
+    from hvd_train import app, recipe  # the recipe as the package ships it: never a module of the user's
 
     chosen = []
     if model is not None:
@@ -39,7 +39,7 @@ def run(model=None, train_set=None, val_set=None, task=None, facts=None, argv=No
     if task is not None:
         chosen += ["--task", _provide(task, task if inspect.isclass(task) else (lambda: task))]
     args = list(sys.argv[1:] if argv is None else argv) + chosen
-    return train_hvd.guarded(lambda: train_hvd.main(args))
+    return app.guarded(lambda: recipe.main(args))
 
 
 def _provide(obj, factory):

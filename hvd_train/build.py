@@ -1,7 +1,6 @@
-"""The one place that builds what a mode needs: checks first, then data, model, optimizer, schedule, the Trainer.
-
-Each mode calls only the builders it uses (evaluation builds no optimizer; elastic training its own sampler).
-"""
+"""The builders behind the steps of a run (hvd_train/training.py composes them): the checks of the settings, the data
+sets, the model and its task, the optimizer, the batch arithmetic. Each mode calls only those it uses (evaluation
+builds no optimizer)."""
 import dataclasses
 import inspect
 import logging
@@ -14,19 +13,19 @@ from torch.nn.parameter import is_lazy
 
 import hvd_utils
 from hvd_train import data
-from hvd_train.data import LoaderSpec, build_loaders, check_world, is_streamed
+from hvd_train.data import LoaderSpec
 from hvd_train import tasks
 from hvd_train.datasets import build_datasets, dataset_factory
-from hvd_train.engine import StepOptions, Trainer, to_device
+from hvd_train.engine import to_device
 from hvd_train.config import OPTIMIZERS
 from hvd_train.errors import ConfigError
 from hvd_train.plugins import call, is_import_path, resolve, takes
 from hvd_train.profiling import StepProfiler
 from hvd_train.data.augment import Augmentation, check_policy
-from hvd_train.regularize import Mixing, weight_average
-from hvd_train.schedule import LRSchedule
-from hvd_train.weights import freeze, hold_batch_norm, load_matching
+from hvd_train.schedule import batching
+from hvd_train.weights import load_matching
 from hvd_train import models
+
 log = logging.getLogger("hvd_train")
 
 
@@ -266,48 +265,6 @@ def timm_optimizer(model, optim_cfg, lr):
                                layer_decay=optim_cfg.layer_decay or None, **extra)
 
 
-def lr_scale(cfg, world_size):
-    return hvd_utils.lr_scale(world_size, cfg.horovod.batches_per_allreduce, cfg.horovod.use_adasum)
-
-
-def build_distributed_optimizer(cfg, model, world_size):
-    """The configured optimizer at the scaled rate, wrapped by Horovod."""
-    optimizer = build_optimizer(model, cfg.optim, cfg.optim.lr * lr_scale(cfg, world_size))
-    # One process that stays one (not elastic) has nothing to average: unwrapped, its steps skip a round trip
-    # through Horovod's background thread per step (bench/NOTES.md).
-    if world_size > 1 or cfg.horovod.elastic:
-        optimizer = hvd_utils.distributed_optimizer(
-            optimizer, model, batches_per_allreduce=cfg.horovod.batches_per_allreduce,
-            fp16_allreduce=cfg.horovod.fp16_allreduce, use_adasum=cfg.horovod.use_adasum,
-            gradient_predivide_factor=cfg.horovod.gradient_predivide_factor)
-    return optimizer
-
-
-def build_trainer(cfg, info, rt):
-    """Model (on rt.device), task, Horovod-wrapped optimizer, learning-rate schedule and fp16 scaler for rt.size
-    ranks. Every rank gets its own random weights here: a mode broadcasts rank 0's (or a checkpoint's) next."""
-    model = build_model_for(cfg, info, rt.device)
-    task = build_task(cfg, info)
-    materialise_lazy(model, task, info, rt.device, cfg.model.name)
-    if cfg.model.freeze_patterns:  # before the optimizer: frozen parameters are not given to it
-        frozen = freeze(model, cfg.model.freeze_patterns)
-        held = hold_batch_norm(model, frozen) if cfg.model.freeze_bn_stats else []
-        if held:
-            log.info("--freeze: %d BatchNorm layer(s) frozen with their running statistics (--model.freeze_bn_stats "
-                     "false keeps those updating)", len(held))
-        log.info("--freeze %s: %d tensor(s) of %.2fM parameters kept fixed: %s", cfg.model.freeze, len(frozen),
-                 sum(p.numel() for n, p in model.named_parameters() if n in frozen) / 1e6, ", ".join(frozen[:6]) +
-                 (f" and {len(frozen) - 6} more" if len(frozen) > 6 else ""))
-    # Horovod: the learning rate scaled with the global batch; gradients averaged across ranks by the optimizer.
-    optimizer = build_distributed_optimizer(cfg, model, rt.size)
-    mixing = Mixing(cfg.aug, info.num_classes, cfg.run.seed, rt.rank) if cfg.aug.mixing else None
-    return Trainer(model=model, task=task, optimizer=optimizer,
-                   schedule=LRSchedule(cfg.optim, lr_scale(cfg, rt.size)), device=rt.device,
-                   opts=StepOptions.from_config(cfg, rt.is_main), epochs=cfg.optim.epochs,
-                   scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None,
-                   ema=weight_average(cfg, model), mixing=mixing)
-
-
 def materialise_lazy(model, task, info, device, name):
     """Give lazy modules (nn.LazyLinear, nn.LazyConv2d, ...) their shapes from one training sample, on every rank,
     before the optimizer takes the parameters and Horovod broadcasts them: an uninitialized parameter has no
@@ -354,7 +311,7 @@ def load_initial_weights(cfg, model):
 
 def loader_spec(cfg, device):
     """The loaders' settings: a step's samples per rank (batch x batches per allreduce), seed, workers."""
-    return LoaderSpec(cfg.optim.batch_size * cfg.horovod.batches_per_allreduce, cfg.run.seed, cfg.data.workers,
+    return LoaderSpec(batching(cfg, 1).per_rank, cfg.run.seed, cfg.data.workers,
                       pin_memory=device.type == "cuda", image_size=cfg.data.image_size,
                       shuffle_buffer=cfg.data.shuffle_buffer, drop_last=cfg.data.drop_last)
 
@@ -366,14 +323,3 @@ def prepare_data(cfg):
         # Horovod: one download per host, into the shared --data-dir; the other ranks on the host wait for it.
         hvd_utils.run_on_local_root(lambda: fetch(cfg.data.data_dir), f"downloading {cfg.data.dataset}")
     return build_datasets(cfg.data, cfg.run.seed, Augmentation.from_config(cfg.aug))
-
-
-def build_data(cfg, rt):
-    """DataInfo and (train loader, val loader, train sampler) for a fixed set of rt.size ranks."""
-    train_set, val_set, info = prepare_data(cfg)
-    spec = loader_spec(cfg, rt.device)
-    if is_streamed(train_set):
-        check_world(train_set, rt.size, spec)
-    else:
-        check_shards(info.num_train, rt.size, spec.batch_size)
-    return info, build_loaders(train_set, val_set, spec, rt.rank, rt.size)

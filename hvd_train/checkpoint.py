@@ -17,7 +17,7 @@ import zipfile
 import torch
 
 from hvd_train.errors import CheckpointError
-from hvd_train.run_dir import atomic_write, reported_write, temporary_beside
+from hvd_train.run_dir import BEST_CHECKPOINT, LAST_CHECKPOINT, atomic_write, reported_write, temporary_beside
 
 VERSION = 1
 # The setting behind each field a checkpoint must share with the run that loads it (run_state.checkpoint_fits).
@@ -92,14 +92,14 @@ class Checkpointer:
         if not self.enabled:
             return None
         path = os.path.join(self.directory, f"epoch_{epoch:04d}.pt")
-        last = os.path.join(self.directory, "last.pt")
+        last = os.path.join(self.directory, LAST_CHECKPOINT)
         with reported_write(path, "; the checkpoints written before are intact, and --resume auto continues from "
                                   "the newest"):
             os.makedirs(self.directory, exist_ok=True)  # an elastic run's writer may change, and start late
             atomic_save(payload, path)
             _link_or_copy(path, last)
             if is_best:
-                _link_or_copy(path, os.path.join(self.directory, "best.pt"))
+                _link_or_copy(path, os.path.join(self.directory, BEST_CHECKPOINT))
             if epoch in best_epochs:
                 _link_or_copy(path, os.path.join(self.directory, f"best_epoch_{epoch:04d}.pt"))
         if best_epochs:

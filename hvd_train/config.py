@@ -295,8 +295,8 @@ class CheckpointConfig(_Section):
     resume: str = opt("", "checkpoint to resume from: a path, or auto for the newest in <output dir>/checkpoints")
     keep_last: int = opt(3, "how many of the newest per-epoch checkpoints to keep (last.pt and best.pt are extra)")
     every_epochs: int = opt(1, "write a checkpoint every this many epochs (and after the last)")
-    hist: int = opt(1, "how many of the best checkpoints to keep: best.pt and, from 2, best-2.pt ... best-N.pt "
-                    "(the N best epochs by the task's best metric)")
+    hist: int = opt(1, "how many of the best checkpoints to keep: best.pt and, from 2, best_epoch_NNNN.pt for each "
+                    "of the N best epochs by the task's best metric")
 
     def __post_init__(self):
         super().__post_init__()

@@ -8,6 +8,7 @@ import zipfile
 import torch
 
 from hvd_train import checkpoint
+from hvd_train.run_dir import BEST_CHECKPOINT, LAST_CHECKPOINT
 from hvd_train.errors import CheckpointError
 from hvd_train.model_card import ModelCard, card_of_checkpoint
 
@@ -20,7 +21,7 @@ FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "onn
 def find_checkpoint(source):
     """The checkpoint `source` names: the file itself, or a run directory's best.pt (last.pt without one)."""
     if os.path.isdir(source):
-        for name in ("best.pt", "last.pt"):
+        for name in (BEST_CHECKPOINT, LAST_CHECKPOINT):
             for folder in (os.path.join(source, "checkpoints"), source):
                 if os.path.isfile(os.path.join(folder, name)):
                     return os.path.join(folder, name)

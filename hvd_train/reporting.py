@@ -13,6 +13,7 @@ import psutil
 
 import hvd_utils
 from hvd_train.run_dir import atomic_write, reported_write, write_json
+from hvd_train.schedule import batching
 
 log = logging.getLogger("hvd_train")
 
@@ -127,10 +128,10 @@ def build_summary(cfg, rt, task, state, lr, fingerprints, run_dir):
         "compile": cfg.model.compiled_as,
         "threads_per_rank": rt.threads, "dataset": cfg.data.dataset, "model": cfg.model.name, "task": task.name,
         "epochs": cfg.optim.epochs, "batch_size_per_rank": cfg.optim.batch_size,
-        "global_batch_size": cfg.optim.batch_size * rt.size * cfg.horovod.batches_per_allreduce,
+        "global_batch_size": batching(cfg, rt.size).global_batch,
         "base_lr": cfg.optim.lr, "lr": lr, "lr_schedule": cfg.optim.lr_schedule,
         "best_metric": task.best_metric, "best_value": state.best_metric, "best_epoch": state.best_epoch,
-        "best_checkpoint": run_dir.checkpoint("best.pt"),
+        "best_checkpoint": run_dir.best_checkpoint,
         "final_val_loss": last["val_loss"],
         "final_val": {k[4:]: v for k, v in last.items() if k.startswith("val_") and k != "val_count"},
         "train_samples_per_sec": sum(r["train_count"] for r in history) / sum(r["epoch_seconds"] for r in history),
@@ -152,7 +153,7 @@ def build_summary(cfg, rt, task, state, lr, fingerprints, run_dir):
 
 def log_setup(cfg, rt, info, trainer, resumed_epoch):
     """The batch and learning-rate arithmetic, and who is running where: the first thing to check in a log."""
-    accumulate, lr_scale = cfg.horovod.batches_per_allreduce, trainer.schedule.lr_scale
+    scaled = batching(cfg, rt.size)
     log.info("hvd-train %s: %d rank(s), %d per host, device %s, %d CPU thread(s) per rank, controller %s, "
              "tensor ops %s, fusion %g MB, cycle %g ms", cfg.run.name or "default", rt.size, rt.local_size,
              rt.device, rt.threads, rt.controller, rt.tensor_ops, rt.fusion_threshold_mb, rt.cycle_time_ms)
@@ -165,9 +166,9 @@ def log_setup(cfg, rt, info, trainer, resumed_epoch):
     log.info("data %s: %d train / %d val samples%s; model %s (task %s, %.2fM parameters)", cfg.data.dataset,
              info.num_train, info.num_val, describe_samples(info), cfg.model.name, trainer.task.name,
              sum(p.numel() for p in trainer.model.parameters()) / 1e6)
-    log.info("batch %d per rank x %d ranks x %d per allreduce = %d global; lr %g base x %d = %g, %s schedule, "
-             "%g warmup epochs; amp %s%s%s", cfg.optim.batch_size, rt.size, accumulate,
-             cfg.optim.batch_size * rt.size * accumulate, cfg.optim.lr, lr_scale, cfg.optim.lr * lr_scale,
+    log.info("batch %d per rank x %d ranks x %d per allreduce = %d global; lr %g base x %g = %g, %s schedule, "
+             "%g warmup epochs; amp %s%s%s", cfg.optim.batch_size, rt.size, cfg.horovod.batches_per_allreduce,
+             scaled.global_batch, cfg.optim.lr, scaled.lr_scale, scaled.lr,
              cfg.optim.lr_schedule, cfg.optim.warmup_epochs, cfg.optim.amp,
              ", channels-last" if cfg.model.channels_last else "",
              f"; resuming after epoch {resumed_epoch}" if resumed_epoch else "")
@@ -188,17 +189,10 @@ def log_rescale(cfg, resumed, steps_per_epoch):
     old, new = resumed.get("previous_world_size"), resumed["world_size"]
     if not old or old == new:
         return
-    h = cfg.horovod
-
-    def lr(ranks):
-        return cfg.optim.lr * hvd_utils.lr_scale(ranks, h.batches_per_allreduce, h.use_adasum)
-
-    def batch(ranks):
-        return cfg.optim.batch_size * h.batches_per_allreduce * ranks
-
+    before, now = batching(cfg, old), batching(cfg, new)
     log.info("resuming on %d rank(s) a run checkpointed on %d: learning rate %g -> %g, global batch %d -> %d (both "
-             "follow the ranks); the schedule goes on by epochs from epoch %d/%d, now of %d steps", new, old, lr(old),
-             lr(new), batch(old), batch(new), resumed["epoch"] + 1, cfg.optim.epochs, steps_per_epoch)
+             "follow the ranks); the schedule goes on by epochs from epoch %d/%d, now of %d steps", new, old, before.lr,
+             now.lr, before.global_batch, now.global_batch, resumed["epoch"] + 1, cfg.optim.epochs, steps_per_epoch)
 
 
 def describe_samples(info):

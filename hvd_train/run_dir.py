@@ -24,9 +24,14 @@ from hvd_train.errors import CheckpointError
 from hvd_train.run_lock import RunLock
 
 
+# The checkpoints that stand for a run: the newest (what --resume auto continues) and the best by the task's metric
+# (what evaluation, export and predict use).
+LAST_CHECKPOINT, BEST_CHECKPOINT = "last.pt", "best.pt"
+
+
 class RunDir:
     # What a run leaves behind; a fresh run refuses to start over these unless told to.
-    RUN_FILES = ("checkpoints/last.pt", "summary.json", "metrics.jsonl")
+    RUN_FILES = (f"checkpoints/{LAST_CHECKPOINT}", "summary.json", "metrics.jsonl")
     REPLACED_ON_OVERWRITE = ("summary.json", "metrics.jsonl", "config.json", "curves.png", "tensorboard",
                              "checkpoints", "profile")
 
@@ -41,6 +46,8 @@ class RunDir:
         self.tensorboard = self.path("tensorboard")
         self.checkpoints = self.path("checkpoints")
         self.profile = self.path("profile")
+        self.last_checkpoint = self.checkpoint(LAST_CHECKPOINT)
+        self.best_checkpoint = self.checkpoint(BEST_CHECKPOINT)
 
     def path(self, name):
         return os.path.join(self.root, name)
@@ -53,7 +60,7 @@ class RunDir:
         """The checkpoint named by --resume: a path, or `auto` for checkpoints/last.pt (None when there is none yet,
         so a job script can always pass --resume auto)."""
         if resume == "auto":
-            last = self.checkpoint("last.pt")
+            last = self.last_checkpoint
             return last if os.path.isfile(last) else None
         if not os.path.isfile(resume):
             raise CheckpointError(f"--resume {resume}: no such file")

@@ -245,10 +245,21 @@ def checkpoint_fits(cfg, info, task, continuing=True):
 
 
 def resume(path, trainer, state, fits):
-    """Continue from checkpoint `path`: weights, optimizer and scaler state on every rank, each rank's RNG states
-    where the number of ranks is unchanged, and the run state (the learning rate follows from its epoch). A
-    checkpoint that has reached --epochs is refused: there is nothing to train, and no summary may pretend so."""
-    meta = load_everywhere(path, trainer.model, fits, optimizer=trainer.optimizer, ema=trainer.ema)
+    """Continue from checkpoint `path` on every rank: read_checkpoint, then rank 0's weights and optimizer state to
+    the others (as an elastic run does inside Horovod's loop; train_hvd.py shows that broadcast as its own step)."""
+    read_checkpoint(path, trainer, state, fits)
+    hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
+
+
+def read_checkpoint(path, trainer, state, fits):
+    """Rank 0 reads checkpoint `path` into its model and optimizer (Horovod's broadcast, next, gives them to every
+    rank); every rank gets the weights' average (--model-ema), the scaler, its RNG states where the number of ranks
+    is unchanged, and the run state (the learning rate follows from its epoch). A checkpoint that has reached
+    --epochs is refused: there is nothing to train, and no summary may pretend so."""
+    meta = hvd_utils.decide_on_root(lambda: read_into(path, trainer.model, fits, trainer.optimizer, trainer.ema),
+                                    "checkpoint")
+    if trainer.ema is not None:
+        hvd_utils.broadcast_module(trainer.ema)
     if meta["epoch"] >= trainer.epochs:
         raise CheckpointError(f"--resume {path}: nothing to train: the checkpoint is at epoch {meta['epoch']} and "
                               f"--epochs is {trainer.epochs}; pass a larger --epochs to train further, or "

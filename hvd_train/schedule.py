@@ -1,12 +1,34 @@
-"""The one learning-rate mechanism: the rate is a function of how far training has come, in (fractional) epochs.
+"""The batch arithmetic (Batching: made once per number of ranks), and the one learning-rate mechanism: the rate
+is a function of how far training has come, in (fractional) epochs.
 
 A fixed run is at epoch - 1 + step / steps_per_epoch; an elastic run, whose steps per epoch change with the number
 of workers, at epoch - 1 + samples processed / samples in the epoch. Both set the rate before every optimizer step,
 so the same schedule holds whatever the number of ranks, and a resumed run needs only its epoch to continue it.
 """
 import math
+from dataclasses import dataclass
 
+import hvd_utils
 from hvd_train.config import LR_SCHEDULES
+
+
+@dataclass(frozen=True)
+class Batching:
+    """The batch arithmetic of a run on `ranks` ranks, made in one place: samples per rank per step (the batch x
+    batches per allreduce), the global batch, and the learning rate's multiplier (the linear scaling rule; Adasum
+    counts only the local accumulation) and the rate it gives."""
+    per_rank: int
+    ranks: int
+    global_batch: int
+    lr_scale: float
+    lr: float
+
+
+def batching(cfg, ranks):
+    accumulate = cfg.horovod.batches_per_allreduce
+    scale = hvd_utils.lr_scale(ranks, accumulate, cfg.horovod.use_adasum)
+    per_rank = cfg.optim.batch_size * accumulate
+    return Batching(per_rank, ranks, per_rank * ranks, scale, cfg.optim.lr * scale)
 
 
 def lr_factor(epochs_done, epochs, schedule, warmup_epochs=0.0, warmup_start=1.0, milestones=(), gamma=0.1):

@@ -126,6 +126,20 @@ def load_matching(model, path, partial=False):
     return report
 
 
+def freeze_configured(model, model_cfg):
+    """--freeze (and --model.freeze_bn_stats) on `model`, each said in one line; nothing without --freeze."""
+    if not model_cfg.freeze_patterns:
+        return
+    frozen = freeze(model, model_cfg.freeze_patterns)
+    held = hold_batch_norm(model, frozen) if model_cfg.freeze_bn_stats else []
+    if held:
+        log.info("--freeze: %d BatchNorm layer(s) frozen with their running statistics (--model.freeze_bn_stats "
+                 "false keeps those updating)", len(held))
+    log.info("--freeze %s: %d tensor(s) of %.2fM parameters kept fixed: %s", model_cfg.freeze, len(frozen),
+             sum(p.numel() for n, p in model.named_parameters() if n in frozen) / 1e6, ", ".join(frozen[:6]) +
+             (f" and {len(frozen) - 6} more" if len(frozen) > 6 else ""))
+
+
 def freeze(model, patterns):
     """Switch off the gradients of the parameters whose names match any glob in `patterns`; returns their names.
     Frozen parameters are left out of the optimizer and so out of Horovod's allreduce."""

@@ -18,8 +18,11 @@ def under_elastic_launcher():
 
 
 def sampler(dataset, seed):
-    """Shards the samples not yet processed this epoch among the current workers, after every reset too."""
-    return ElasticSampler(dataset, shuffle=True, seed=seed)
+    """Shards the samples not yet processed this epoch among the current workers, after every reset too; starts
+    at epoch 1, as the app counts epochs."""
+    sampler = ElasticSampler(dataset, shuffle=True, seed=seed)
+    sampler.set_epoch(1)
+    return sampler
 
 
 def state(model, optimizer, train_sampler, **counters):

@@ -19,12 +19,16 @@ def lr_scale(world_size, batches_per_allreduce=1, use_adasum=False):
 
 
 def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allreduce=False, use_adasum=False,
-                          gradient_predivide_factor=1.0):
+                          gradient_predivide_factor=1.0, elastic=False):
     """Horovod: average gradients across ranks with ring-allreduce during backward().
 
     The wrapper is a new optimizer over the same parameters; state loaded into the old one is not carried over,
-    so load checkpoints into the returned optimizer.
+    so load checkpoints into the returned optimizer. One process that stays one (not elastic) has nothing to
+    average: its optimizer comes back unwrapped, and its steps skip a round trip through Horovod's background
+    thread (bench/NOTES.md).
     """
+    if hvd.size() == 1 and not elastic:
+        return optimizer
     compression = hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none
     if _has_strided_weights(model):
         compression = _SentContiguous(compression)

@@ -118,13 +118,19 @@ def tuning_in_effect():
 
 
 def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, gloo_timeout_s=0.0):
-    """hvd.init(), then pin this rank to GPU local_rank, or share the CPU cores between the ranks of this host.
+    """start(), then pin_to_local_rank(): Horovod running and this rank on its device, in one call."""
+    start(cpu, fusion_threshold_mb, cycle_time_ms, gloo_timeout_s)
+    return pin_to_local_rank(cpu)
+
+
+def start(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, gloo_timeout_s=0.0):
+    """Horovod: hvd.init(), with its tuning set first (it reads the environment once, here).
 
     fusion_threshold_mb and cycle_time_ms tune Horovod (see tuning_env); elastic runs too, since hvd-train's
     Horovod build no longer crashes when an elastic reset re-initialises with both set (scripts/build_horovod.py).
     gloo_timeout_s > 0 sets how long a Gloo collective waits for a peer (Horovod's default: 30 s), unless
-    HOROVOD_GLOO_TIMEOUT_SECONDS is set."""
-    use_gpu = torch.cuda.is_available() and not cpu
+    HOROVOD_GLOO_TIMEOUT_SECONDS is set. cpu: the ranks train on CPUs even where GPUs are visible."""
+    use_gpu = _uses_gpu(cpu)
     kind = launch_kind()
     cycle_chosen = bool(cycle_time_ms) or "HOROVOD_CYCLE_TIME" in os.environ
     tuning = tuning_env("cuda" if use_gpu else "cpu", fusion_threshold_mb, cycle_time_ms, kind)
@@ -133,9 +139,18 @@ def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, gloo_timeout_s=
     if gloo_timeout_s > 0:
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(math.ceil(gloo_timeout_s)))
     hvd.init()  # Horovod: start the controller (MPI under mpirun or horovodrun --mpi, Gloo under --gloo).
-    if use_gpu:
-        # Horovod: one GPU per process, chosen by the rank on this host.
-        torch.cuda.set_device(hvd.local_rank())
+    if kind == "alone" and not cycle_chosen and hvd.size() > 1 and hvd.rank() == 0:
+        # A launcher this module does not know: the alone-cycle would slow every allreduce.
+        print(f"hvd-train: warning: started by an unrecognised launcher ({hvd.size()} ranks, none of "
+              f"{', '.join(_RANK_VARS)} set), so Horovod's cycle time is {tuning['cycle_time_ms']:g} ms; pass "
+              "--horovod.cycle_time_ms 1", file=sys.stderr)
+
+
+def pin_to_local_rank(cpu=False):
+    """Horovod: this rank on the GPU of its local rank (one GPU per process); without GPUs (or with cpu), on the
+    CPU with an equal share of the host's cores. Returns the rank's facts (Runtime). After start()."""
+    if _uses_gpu(cpu):
+        torch.cuda.set_device(hvd.local_rank())  # Horovod: one GPU per process, chosen by the rank on this host.
         device, threads = torch.device("cuda", hvd.local_rank()), torch.get_num_threads()
     else:
         device = torch.device("cpu")
@@ -145,16 +160,16 @@ def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, gloo_timeout_s=
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
             threads = torch.get_num_threads()
         torch.set_num_threads(threads)
-    if kind == "alone" and not cycle_chosen and hvd.size() > 1 and hvd.rank() == 0:
-        # A launcher this module does not know: the alone-cycle would slow every allreduce.
-        print(f"hvd-train: warning: started by an unrecognised launcher ({hvd.size()} ranks, none of "
-              f"{', '.join(_RANK_VARS)} set), so Horovod's cycle time is {tuning['cycle_time_ms']:g} ms; pass "
-              "--horovod.cycle_time_ms 1", file=sys.stderr)
+    tuning = tuning_in_effect()
     return Runtime(
         rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size(),
         device=device, threads=threads, controller=controller(), tensor_ops=tensor_ops(device),
         fusion_threshold_mb=tuning["fusion_threshold_mb"], cycle_time_ms=tuning["cycle_time_ms"],
         autotune=autotune_on() and hvd.size() > 1)
+
+
+def _uses_gpu(cpu):
+    return torch.cuda.is_available() and not cpu
 
 
 def cgroup_cpu_limit(root="/sys/fs/cgroup"):

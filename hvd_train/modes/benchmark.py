@@ -16,7 +16,9 @@ from torch.utils.data import default_collate
 
 import hvd_utils
 from hvd_train.data import DataInfo, is_streamed, native_size
-from hvd_train.build import attach_profiler, build_trainer, prepare_data
+from hvd_train import training
+from hvd_train.build import attach_profiler, prepare_data
+from hvd_train.schedule import batching
 from hvd_train.engine import Hooks, to_device, train_one_epoch
 from hvd_train.errors import ConfigError, NonFiniteLossError
 from hvd_train.plugins import is_import_path
@@ -31,7 +33,7 @@ log = logging.getLogger("hvd_train")
 def samples_batch(cfg, train_set, device):
     """One batch of the data set's own first samples (cycled where it has fewer), collated as the loader collates
     them, held on the device: a user's task may take any sample structure (dicts, nested), which only its data has."""
-    n = cfg.optim.batch_size * cfg.horovod.batches_per_allreduce
+    n = batching(cfg, 1).per_rank
     return to_device(default_collate([train_set[i % len(train_set)] for i in range(n)]), device)
 
 
@@ -43,7 +45,7 @@ def uses_own_data(cfg):
 def synthetic_batch(cfg, info, device):
     """One random batch per step (the per-rank batch x batches_per_allreduce), made once, on the device."""
     gen = torch.Generator().manual_seed(cfg.run.seed)
-    n = cfg.optim.batch_size * cfg.horovod.batches_per_allreduce
+    n = batching(cfg, 1).per_rank
     images = torch.rand(n, info.in_channels, info.image_size, info.image_size, generator=gen)
     labels = torch.randint(0, info.num_classes, (n,), generator=gen)
     if cfg.model.channels_last:  # as an input pipeline would deliver it; the model would convert it every step
@@ -89,6 +91,14 @@ def summarize(rates_by_rank):
     total = sum(statistics.fmean(rates) for rates in rates_by_rank)
     return {"img_per_sec_per_rank": per_rank, "img_per_sec_per_rank_ci95": ci95, "img_per_sec_total": total,
             "img_per_sec_total_ci95": ci95 * len(rates_by_rank)}
+
+
+def build_trainer(cfg, info, rt):
+    """The Trainer of a training run, built by the recipe's steps (train_hvd.py), Horovod's optimizer included."""
+    model, task = training.model_and_task(cfg, info, rt.device)
+    optimizer = training.optimizer(cfg, model, lr=batching(cfg, rt.size).lr)
+    optimizer = hvd_utils.distributed_optimizer(optimizer, model, **training.allreduce_options(cfg))
+    return training.trainer(cfg, info, rt, model, task, optimizer)
 
 
 def run(cfg, rt):

@@ -9,14 +9,13 @@ import dataclasses
 import logging
 
 import hvd_utils
-from hvd_train.data import build_loaders, check_world, is_streamed
-from hvd_train.build import (attach_profiler, build_trainer, check_shards, load_initial_weights, loader_spec, lr_scale,
-                             prepare_data)
+from hvd_train.data import build_loaders, check_world
+from hvd_train.build import attach_profiler, load_initial_weights
+from hvd_train.schedule import batching
 from hvd_train.engine import Hooks, fit
-from hvd_train.errors import ConfigError
 from hvd_train.reporting import finish, log_setup
-from hvd_train.run_dir import write_config
 from hvd_train.run_state import AfterEpoch, RunState, outputs_for, resume
+from hvd_train.training import close_profiler, write_config_everywhere
 from hvd_utils import elastic
 
 log = logging.getLogger("hvd_train")
@@ -97,28 +96,17 @@ class StreamedElasticHooks(ElasticHooks):
         return stop
 
 
-def run(cfg, rt):
-    """Nothing here runs a collective before Horovod's elastic loop: a worker that joins later starts this script
-    while the others are inside the loop. The output directory is claimed, and a checkpoint loaded, inside it, once.
-    """
-    if not elastic.under_elastic_launcher():
-        raise ConfigError("--elastic needs horovodrun's elastic mode: horovodrun -np N --min-np M --max-np K "
-                          "--host-discovery-script hostfiles/discover_hosts.py python train_hvd.py --elastic")
-    train_set, val_set, info = prepare_data(cfg)
-    spec = loader_spec(cfg, rt.device)
-    streamed = is_streamed(train_set)
+def train(cfg, rt, data, trainer, loaders):
+    """Train the parts train_hvd.py built (data, Trainer with Horovod's optimizer, the loaders over Horovod's
+    ElasticSampler) inside Horovod's elastic loop. Nothing here runs a collective before that loop: a worker that
+    joins later starts the script while the others are inside it. The output directory is claimed, and a
+    checkpoint loaded, inside it, once."""
+    train_loader, _, sampler = loaders
+    streamed = data.streamed
     if streamed:
-        check_world(train_set, rt.size, spec)
-    else:
-        check_shards(info.num_train, rt.size, spec.batch_size)
-    trainer = build_trainer(cfg, info, rt)
-    state, outputs = RunState(), outputs_for(cfg, info, trainer.task, is_main=False)
+        sampler = None  # tar shards: the loader is built for the current workers in the elastic loop
+    state, outputs = RunState(), outputs_for(cfg, data.info, trainer.task, is_main=False)
     after_epoch = AfterEpoch(cfg, trainer, state, outputs)
-    sampler = train_loader = None  # tar shards: the loader is built for the current workers in the elastic loop
-    if not streamed:
-        sampler = elastic.sampler(train_set, cfg.run.seed)
-        sampler.set_epoch(1)
-        train_loader = build_loaders(train_set, val_set, spec, rt.rank, rt.size, train_sampler=sampler)[0]
     # The weights' average (--model-ema) is a module: Horovod's state saves, restores and syncs it like the model.
     averaged = {"ema": trainer.ema} if trainer.ema is not None else {}
     st = elastic.state(trainer.model, trainer.optimizer, sampler, epoch=1, batch=0, steps=0, claimed=False,
@@ -126,7 +114,7 @@ def run(cfg, rt):
     if streamed:
         hooks = StreamedElasticHooks(st, after_epoch)
     else:
-        hooks = ElasticHooks(st, sampler, after_epoch, cfg.horovod.commit_every, spec.batch_size)
+        hooks = ElasticHooks(st, sampler, after_epoch, cfg.horovod.commit_every, data.spec.batch_size)
 
     def take_roles():
         # Rank 0 of the current workers writes; after a reset that may be another process than before. The rate
@@ -136,7 +124,7 @@ def run(cfg, rt):
         outputs.checkpointer.enabled = rank == 0
         outputs.reporter.set_enabled(rank == 0)
         trainer.opts.show_progress = cfg.logging.progress and rank == 0
-        trainer.schedule.lr_scale = lr_scale(cfg, size)
+        trainer.schedule.lr_scale = batching(cfg, size).lr_scale
 
     def on_reset():
         hooks.count_reset()
@@ -147,7 +135,7 @@ def run(cfg, rt):
     st.register_reset_callbacks([on_reset])
 
     @elastic.run
-    def train(st):
+    def run_loop(st):
         if st.run:
             state.load(st.run)  # rank 0's, as of the last commit (Horovod synced the state before this call)
         if st.claimed:
@@ -169,22 +157,22 @@ def run(cfg, rt):
             st.claimed = True
             take_roles()  # only now: rank 0's reporter writes into the directory it has claimed
             # A full disk stops every worker with one line, as in a fixed run (every worker is in this loop).
-            hvd_utils.decide_on_root(lambda: write_config(outputs.run_dir.config, cfg), "config")
-            log_setup(cfg, rt, info, trainer, st.epoch - 1)
+            write_config_everywhere(outputs.run_dir, cfg)
+            log_setup(cfg, rt, data.info, trainer, st.epoch - 1)
             st.commit()
         attach_profiler(trainer, cfg, rt, outputs.run_dir)  # once the directory is claimed (by this or another)
         # Validation shards follow the current set of workers (and tar shards' training plan too).
         rank, size, _ = elastic.world()
-        loaders = build_loaders(train_set, val_set, spec, rank, size)
         if streamed:
-            check_world(train_set, size, spec)  # fewer workers: still a full batch each
-            hooks.sampler = loaders[0]
-        fit(trainer, loaders[0] if streamed else train_loader, loaders[1], hooks, first_epoch=st.epoch)
+            check_world(data.train_set, size, data.spec)  # fewer workers: still a full batch each
+        now = build_loaders(data.train_set, data.val_set, data.spec, rank, size)
+        if streamed:
+            hooks.sampler = now[0]
+        fit(trainer, now[0] if streamed else train_loader, now[1], hooks, first_epoch=st.epoch)
 
     try:
-        train(st)
-        if trainer.profiler is not None:
-            trainer.profiler.close()
+        run_loop(st)
+        close_profiler(trainer)
     finally:
         outputs.reporter.close()
         outputs.run_dir.lock.release()  # held by the process that claimed the directory, while it lives

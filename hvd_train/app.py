@@ -1,0 +1,144 @@
+"""The process around the recipe: the `hvd-train` commands, the checks and settings before and after Horovod starts,
+the modes that measure instead of training, and the one place that turns a failure into a message and an exit code.
+
+train_hvd.py (installed as hvd_train.recipe too) is the recipe itself; this module runs it and never imports it.
+"""
+import faulthandler
+import importlib
+import logging
+import signal
+import sys
+import traceback
+
+import torch
+
+import hvd_utils
+from hvd_train import interrupt
+from hvd_train.build import check_choices
+from hvd_train.config import parse_config
+from hvd_train.data import BadSampleError, DataError
+from hvd_train.errors import CheckpointError, ConfigError, NonFiniteLossError, say
+from hvd_train.run_dir import check_writable, keep_private
+from hvd_utils.elastic import under_elastic_launcher
+
+log = logging.getLogger("hvd_train")
+
+# hvd-train SUBCOMMAND ...: the module whose main(argv) runs it, and what it does (`hvd-train --help` lists them).
+SUBCOMMANDS = {
+    "doctor": ("hvd_train.doctor", "check the hosts of a job before it runs"),
+    "shard": ("hvd_train.shard_cli", "write a data set as tar shards"),
+    "export": ("hvd_train.export", "the trained weights for use elsewhere (safetensors, TorchScript, ONNX)"),
+    "predict": ("hvd_train.predict", "the top classes of image files, from a run or an export"),
+}
+
+
+def cli(train=None):
+    """`hvd-train [SUBCOMMAND] ...` and `python train_hvd.py ...`: a subcommand, or a training run of `train`
+    (the recipe's main; by default the installed recipe, hvd_train.recipe). Exits with the code."""
+    keep_private()  # files this process writes: owner and group only (hvd_train/run_dir.py)
+    command = sys.argv[1] if len(sys.argv) > 1 else ""
+    if command in SUBCOMMANDS:
+        module = importlib.import_module(SUBCOMMANDS[command][0])
+        sys.exit(module.main(sys.argv[2:]))
+    train = train or recipe_main()
+    sys.exit(guarded(lambda: train()))
+
+
+def recipe_main():
+    """The installed recipe's main: train_hvd.py as the package ships it (never a module a user named
+    train_hvd)."""
+    from hvd_train import recipe
+
+    return recipe.main
+
+
+def configure(argv=None, cfg=None):
+    """The run's settings (argv: the command line by default), checked before Horovod starts; the process's
+    debugging aids switched on."""
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr: where a rank that seems stuck is waiting.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    keep_private()
+    cfg = cfg or parse_config(argv)
+    check_choices(cfg)
+    if cfg.horovod.elastic and not under_elastic_launcher():
+        raise ConfigError("--elastic needs horovodrun's elastic mode: horovodrun -np N --min-np M --max-np K "
+                          "--host-discovery-script hostfiles/discover_hosts.py python train_hvd.py --elastic")
+    if cfg.profile.enabled:  # before hvd.init(): Horovod's timeline can then be switched on for the profiled steps
+        hvd_utils.timeline.enable_dynamic()
+    return cfg
+
+
+def watched(cfg):
+    """Whether a watchdog names a frozen rank: training on a fixed set of ranks."""
+    return bool(not (cfg.horovod.elastic or cfg.benchmark.enabled or cfg.run.evaluate) and cfg.run.freeze_timeout_s)
+
+
+def gloo_timeout_s(cfg):
+    """How long a Gloo collective waits for a peer: under the watchdog longer than it, so that Gloo's own timeout
+    (30 s) does not end the job first, blaming the ranks that waited; else Horovod's default."""
+    return cfg.run.freeze_timeout_s + 60 if watched(cfg) else 0
+
+
+def settle(cfg, rt):
+    """After Horovod started: rank 0 alone speaks, Ctrl-C and SIGTERM say where the run stopped, each rank its own
+    seed, and the output directory known to be writable before data and model are built."""
+    # Only rank 0 speaks; the others report warnings and errors only.
+    logging.basicConfig(level=logging.INFO if rt.is_main else logging.WARNING, format="%(message)s",
+                        stream=sys.stdout)
+    for note in getattr(cfg, "notes", ()):  # a resume or evaluation given a setting again, changed
+        log.info("changed from the run's recorded settings: %s", note)
+    interrupt.install(report=rt.is_main)
+    torch.manual_seed(cfg.run.seed + rt.rank)  # different dropout per rank; the weights come from rank 0
+    # (An elastic worker checks alone: one that joins later must not run a collective outside Horovod's loop.)
+    if cfg.horovod.elastic:
+        check_writable(cfg.run.output_dir, tidy=False)
+    else:
+        hvd_utils.decide_on_root(lambda: check_writable(cfg.run.output_dir), "output_dir_check")
+
+
+def measures(cfg):
+    """Whether the run measures instead of training: --benchmark (images/s) or --evaluate (a checkpoint)."""
+    return cfg.benchmark.enabled or cfg.run.evaluate
+
+
+def measure(cfg, rt):
+    from hvd_train.modes import benchmark, evaluate
+
+    return benchmark.run(cfg, rt) if cfg.benchmark.enabled else evaluate.run(cfg, rt)
+
+
+def guarded(run):
+    """run() with every failure reported once, as the command line and hvd_train.run() do; returns the exit code."""
+    code = 1
+    try:
+        code = run()
+    except (ConfigError, DataError, CheckpointError, NonFiniteLossError) as e:
+        # Raised on every rank at the same point (checked on all, or sent from rank 0), so none waits on another;
+        # rank 0 alone says it. Exit 2: a setting or a file to fix; 3: the training diverged.
+        if hvd_utils.launcher_rank() == 0:
+            say(f"train_hvd.py: error: {e}")
+        code = 3 if isinstance(e, NonFiniteLossError) else 2
+    except BadSampleError as e:
+        # Met by this rank alone, mid-epoch: it names the file; the other ranks stop as their peer is gone.
+        say(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: error: {e}")
+        code = 2
+    except interrupt.Interrupted as e:
+        # Ctrl-C or SIGTERM: rank 0 says where the run stopped and where --resume auto continues.
+        interrupt.report()
+        code = e.exit_code
+    except hvd_utils.PeerFailure:
+        if interrupt.signalled():  # the signal reached another rank first, which ended the collective
+            interrupt.report()
+            code = 128 + interrupt.signalled()
+        else:
+            # This rank was waiting in a collective when another one failed: that rank reports the cause.
+            say(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: stopping because another rank failed (its error is "
+                f"reported above or by the launcher)")
+            code = 1
+    except Exception:
+        # A bug or a fault on this rank alone: its traceback, once, with the rank named.
+        say(f"train_hvd.py: rank {hvd_utils.launcher_rank()} failed:\n{traceback.format_exc()}")
+        code = 1
+    finally:
+        hvd_utils.shutdown()
+    return code
