@@ -24,3 +24,11 @@ def run(model=None, train_set=None, val_set=None, task=None, facts=None, argv=No
     from hvd_train.api import run as run_app
 
     return run_app(model=model, train_set=train_set, val_set=val_set, task=task, facts=facts, argv=argv)
+
+
+def load_trained(source, trusted=False):
+    """A trained model outside the job: (model on the CPU in eval mode, its ModelCard, the checkpoint), from a
+    checkpoint file or a run directory's best.pt; see hvd_train/tools/inference.py."""
+    from hvd_train.tools.inference import load_trained as load
+
+    return load(source, trusted=trusted)

@@ -13,29 +13,29 @@ import traceback
 import torch
 
 import hvd_utils
-from hvd_train import interrupt
+from hvd_train.guards import interrupt
 from hvd_train.build import check_choices
 from hvd_train.config import parse_config
 from hvd_train.data import BadSampleError, DataError
 from hvd_train.errors import CheckpointError, ConfigError, NonFiniteLossError, say
-from hvd_train.run_dir import check_writable, keep_private
+from hvd_train.run.directory import check_writable, keep_private
 from hvd_utils.elastic import under_elastic_launcher
 
 log = logging.getLogger("hvd_train")
 
 # hvd-train SUBCOMMAND ...: the module whose main(argv) runs it, and what it does (`hvd-train --help` lists them).
 SUBCOMMANDS = {
-    "doctor": ("hvd_train.doctor", "check the hosts of a job before it runs"),
-    "shard": ("hvd_train.shard_cli", "write a data set as tar shards"),
-    "export": ("hvd_train.export", "the trained weights for use elsewhere (safetensors, TorchScript, ONNX)"),
-    "predict": ("hvd_train.predict", "the top classes of image files, from a run or an export"),
+    "doctor": ("hvd_train.tools.doctor", "check the hosts of a job before it runs"),
+    "shard": ("hvd_train.tools.shard", "write a data set as tar shards"),
+    "export": ("hvd_train.tools.export", "the trained weights for use elsewhere (safetensors, TorchScript, ONNX)"),
+    "predict": ("hvd_train.tools.predict", "the top classes of image files, from a run or an export"),
 }
 
 
 def cli(train=None):
     """`hvd-train [SUBCOMMAND] ...` and `python train_hvd.py ...`: a subcommand, or a training run of `train`
     (the recipe's main; by default the installed recipe, hvd_train.recipe). Exits with the code."""
-    keep_private()  # files this process writes: owner and group only (hvd_train/run_dir.py)
+    keep_private()  # files this process writes: owner and group only (hvd_train/run/directory.py)
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     if command in SUBCOMMANDS:
         module = importlib.import_module(SUBCOMMANDS[command][0])

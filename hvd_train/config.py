@@ -791,7 +791,7 @@ def parse_config(argv=None):
 
 # What a resumed or evaluated run never takes from the recorded settings: where it is and what it does now.
 NOT_RECORDED = {"run": ("output_dir", "evaluate", "overwrite"), "checkpoint": ("resume",)}
-RECORDED = "config.json"  # the resolved settings a run writes into its output directory (hvd_train/run_dir.py)
+RECORDED = "config.json"  # the resolved settings a run writes into its output directory (hvd_train/run/directory.py)
 
 
 def recorded_config(values):

@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 
 import hvd_utils
-from hvd_train import watchdog
+from hvd_train.guards import watchdog
 from hvd_train.errors import NonFiniteLossError
-from hvd_train.metrics import averages
+from hvd_train.run.best import averages
 from hvd_train.progress import Progress, on_terminal
 from hvd_train.tasks import first_tensor
 

@@ -15,7 +15,7 @@ A task is a class with
 
 `batch` is whatever the data set's samples collate to (a tuple, a dict of tensors), already on the device. The
 app multiplies each term by the batch's samples and adds the metric sums over batches and ranks; one division by
-the number of samples at the end of an epoch gives exact means (hvd_train.metrics), whatever the shard sizes. A
+the number of samples at the end of an epoch gives exact means (hvd_train.run.best), whatever the shard sizes. A
 batch's samples are the length of its first tensor unless the task has a `samples(batch)` method.
 The two tasks that ship, classification and the VAE, are written against this same interface.
 """
@@ -136,7 +136,7 @@ class RunTask:
         self.keys = ("count", "loss") + shown + self.metrics
 
     def finish(self, means):
-        """An epoch's means (from hvd_train.metrics.averages) with the task's derived figures added."""
+        """An epoch's means (from hvd_train.run.best.averages) with the task's derived figures added."""
         if self.derived:
             made = self.task.derive(dict(means))
             if not isinstance(made, dict) or set(made) != set(self.derived):

@@ -12,18 +12,18 @@ from typing import Optional
 import torch
 
 import hvd_utils
-from hvd_train import interrupt, watchdog
+from hvd_train.guards import interrupt, watchdog
 from hvd_train.build import (attach_profiler, build_model_for, build_optimizer, build_task, check_shards,
                              load_initial_weights, loader_spec, materialise_lazy, prepare_data)
 from hvd_train.data import DataInfo, LoaderSpec, build_loaders, check_world, is_streamed
 from hvd_train.engine import Hooks, StepOptions, Trainer
 from hvd_train import engine
 from hvd_train.regularize import Mixing, weight_average
-from hvd_train.reporting import finish as write_summary, log_rescale, log_setup
-from hvd_train.run_dir import RunDir, write_config
-from hvd_train.run_state import AfterEpoch, RunState, checkpoint_fits, outputs_for, read_checkpoint
+from hvd_train.run.reporting import finish as write_summary, log_rescale, log_setup
+from hvd_train.run.directory import RunDir, write_config
+from hvd_train.run.state import AfterEpoch, RunState, checkpoint_fits, outputs_for, read_checkpoint
 from hvd_train.schedule import LRSchedule, batching
-from hvd_train.tracking import open_trackers
+from hvd_train.run.tracking import open_trackers
 from hvd_train.weights import freeze_configured
 
 log = logging.getLogger("hvd_train")

@@ -128,7 +128,7 @@ def test_patience_stops_every_rank_at_the_same_epoch(tmp_path):
 
 
 def test_predict_and_export_use_the_average_where_it_validated_better(tmp_path, app):
-    from hvd_train.inference import load_trained
+    from hvd_train.tools.inference import load_trained
 
     assert app("--output-dir", tmp_path, "--epochs", 1, "--model-ema").returncode == 0
     path = tmp_path / "checkpoints" / "last.pt"

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from hvd_train import checkpoint
+from hvd_train.run import checkpoint
 from hvd_train.build import check_shards
 from hvd_train.errors import ConfigError
 from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, job_env, launch, launch_command,

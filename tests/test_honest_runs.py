@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from hvd_train import checkpoint
+from hvd_train.run import checkpoint
 from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, job_env, launch_command, read_json,
                       run_app, wait_for)
 

@@ -31,11 +31,12 @@ from conftest import QUIET, ROOT, TRAIN, WORKERS, app_output, launch, read_json,
 from formats import write_image_folder
 from test_tracking import server  # noqa: F401  (the real MLflow server fixture)
 
-from hvd_train import export, predict, watchdog
-from hvd_train.checkpoint import Checkpointer
+from hvd_train.tools import export, predict
+from hvd_train.guards import watchdog
+from hvd_train.run.checkpoint import Checkpointer
 from hvd_train.config import parse_config
 from hvd_train.errors import ConfigError
-from hvd_train.run_dir import write_json
+from hvd_train.run.directory import write_json
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -382,7 +383,7 @@ def test_an_archive_member_outside_the_target_refuses_the_archive(tmp_path, web,
 
 
 def test_the_doctor_refuses_a_host_name_that_ssh_would_read_as_an_option(tmp_path):
-    from hvd_train import doctor
+    from hvd_train.tools import doctor
 
     with pytest.raises(SystemExit) as exited:
         doctor.main(["--hosts=-Fx:1"])
@@ -395,7 +396,7 @@ def test_the_doctor_refuses_a_host_name_that_ssh_would_read_as_an_option(tmp_pat
 
 
 def test_the_doctor_passes_the_host_after_double_dash_with_host_key_checking_on():
-    from hvd_train import doctor
+    from hvd_train.tools import doctor
 
     args = doctor.parse_args(["-H", "node1:1", "-p", "2222"])
     command = doctor.Hosts(args).command("node1", "print(1)")
@@ -405,7 +406,7 @@ def test_the_doctor_passes_the_host_after_double_dash_with_host_key_checking_on(
 
 
 def test_the_doctors_wait_for_a_listener_ends(tmp_path):
-    from hvd_train import doctor
+    from hvd_train.tools import doctor
 
     silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.PIPE,
                               text=True)

@@ -6,14 +6,15 @@ import os
 import pytest
 import torch
 
-from hvd_train import checkpoint, engine
+from hvd_train import engine
+from hvd_train.run import checkpoint
 from hvd_train.build import build_optimizer, param_groups
 from hvd_train.config import OptimConfig
 from hvd_train.engine import StepOptions, Trainer
 from hvd_train.errors import CheckpointError
-from hvd_train.metrics import averages
-from hvd_train.reporting import Reporter
-from hvd_train.run_dir import RunDir
+from hvd_train.run.best import averages
+from hvd_train.run.reporting import Reporter
+from hvd_train.run.directory import RunDir
 from hvd_train.schedule import LRSchedule, lr_factor
 from hvd_train.tasks import builtin_task
 from hvd_utils import lr_scale
@@ -287,7 +288,7 @@ def test_reporter_on_other_ranks_writes_nothing(tmp_path):
 
 
 def test_an_epoch_that_ends_again_after_an_elastic_rollback_replaces_its_record_and_best():
-    from hvd_train.run_state import RunState
+    from hvd_train.run.state import RunState
     state, task = RunState(), trainer_for(None, None).task
     for epoch, acc in [(1, 50.0), (2, 70.0), (3, 60.0), (2, 55.0), (3, 52.0)]:  # a rollback into epoch 2
         state.add(task, {"epoch": epoch, "val_acc1": acc})
@@ -296,7 +297,7 @@ def test_an_epoch_that_ends_again_after_an_elastic_rollback_replaces_its_record_
 
 
 def test_an_interruption_names_the_last_epoch_whose_record_and_checkpoint_are_written():
-    from hvd_train.run_state import RunState
+    from hvd_train.run.state import RunState
     state, task = RunState(), trainer_for(None, None).task
     assert state.where(5, "last.pt") == "at the end of epoch 0/5; no checkpoint was written yet, so --resume auto " \
                                         "starts afresh"

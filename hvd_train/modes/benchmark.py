@@ -23,8 +23,8 @@ from hvd_train.engine import Hooks, to_device, train_one_epoch
 from hvd_train.errors import ConfigError, NonFiniteLossError
 from hvd_train.plugins import is_import_path
 from hvd_train.tasks import samples_in
-from hvd_train.reporting import seconds_since_start
-from hvd_train.run_dir import RunDir, write_json
+from hvd_train.run.reporting import seconds_since_start
+from hvd_train.run.directory import RunDir, write_json
 from hvd_train.models import MODELS as SMALL_MODELS, is_channels_last
 
 log = logging.getLogger("hvd_train")

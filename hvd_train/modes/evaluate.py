@@ -8,8 +8,8 @@ from hvd_train.build import build_model_for, build_task, loader_spec, prepare_da
 from hvd_train.engine import evaluate_all
 from hvd_train.errors import CheckpointError
 from hvd_train.regularize import weight_average
-from hvd_train.run_dir import RunDir, write_json
-from hvd_train.run_state import checkpoint_fits, load_everywhere
+from hvd_train.run.directory import RunDir, write_json
+from hvd_train.run.state import checkpoint_fits, load_everywhere
 
 log = logging.getLogger("hvd_train")
 

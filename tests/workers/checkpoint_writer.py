@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from hvd_train import checkpoint
+from hvd_train.run import checkpoint
 
 
 def main(directory, start):

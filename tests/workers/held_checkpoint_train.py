@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from hvd_train import checkpoint
+from hvd_train.run import checkpoint
 import train_hvd
 
 

@@ -13,7 +13,8 @@ import signal
 import socket
 import sys
 
-from hvd_train import engine, watchdog
+from hvd_train import engine
+from hvd_train.guards import watchdog
 import hvd_utils
 import train_hvd
 

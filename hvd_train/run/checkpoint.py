@@ -17,7 +17,7 @@ import zipfile
 import torch
 
 from hvd_train.errors import CheckpointError
-from hvd_train.run_dir import BEST_CHECKPOINT, LAST_CHECKPOINT, atomic_write, reported_write, temporary_beside
+from hvd_train.run.directory import BEST_CHECKPOINT, LAST_CHECKPOINT, atomic_write, reported_write, temporary_beside
 
 VERSION = 1
 # The setting behind each field a checkpoint must share with the run that loads it (run_state.checkpoint_fits).

@@ -8,7 +8,7 @@
     <output dir>/tensorboard/       TensorBoard events
     <output dir>/checkpoints/       epoch_NNNN.pt, last.pt, best.pt
     <output dir>/profile/           --profile: rank<r>.trace.json (torch.profiler), horovod_timeline.json
-    <output dir>/.hvd-train.lock    while a job runs in it (hvd_train/run_lock.py)
+    <output dir>/.hvd-train.lock    while a job runs in it (hvd_train/run/lock.py)
 
 Only rank 0 writes, and every write goes through atomic_write: a reader, or a run killed halfway, sees the old
 file or the new one, never half of one.
@@ -21,7 +21,7 @@ import shutil
 import tempfile
 
 from hvd_train.errors import CheckpointError
-from hvd_train.run_lock import RunLock
+from hvd_train.run.lock import RunLock
 
 
 # The checkpoints that stand for a run: the newest (what --resume auto continues) and the best by the task's metric

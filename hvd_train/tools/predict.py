@@ -16,7 +16,7 @@ import torch
 from hvd_train.data.errors import UNREADABLE_IMAGE
 from hvd_train.data.imagefolder import is_image_file
 from hvd_train.errors import CheckpointError, ConfigError, say
-from hvd_train.inference import load_runner
+from hvd_train.tools.inference import load_runner
 from hvd_train.trust import TRUST_FLAG
 
 BATCH = 64

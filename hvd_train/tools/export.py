@@ -3,7 +3,7 @@
     hvd-train export runs/cifar10 --format onnx                 # runs/cifar10/export/model.onnx (+ .json)
     hvd-train export runs/cifar10/checkpoints/epoch_0010.pt --format safetensors --out model.safetensors
 
-Every export gets a JSON file beside it (model.onnx.json): the model card (hvd_train/model_card.py: what rebuilds
+Every export gets a JSON file beside it (model.onnx.json): the model card (hvd_train/run/model_card.py: what rebuilds
 the model, its classes, the preprocessing it expects) and the parity check. The check runs the exported model and the
 PyTorch model on a batch of the run's own validation samples (read from the data set the checkpoint's config names;
 --data-dir where it moved) and compares every output within the format's tolerance. An export that fails the check
@@ -24,8 +24,8 @@ from torch.utils.data import default_collate
 from hvd_train.data import DataError
 from hvd_train.config import config_from_dict
 from hvd_train.errors import CheckpointError, ConfigError, say
-from hvd_train.inference import FORMATS, SIDECAR, export_runner, find_checkpoint, load_trained, outputs
-from hvd_train.run_dir import temporary_beside, write_json
+from hvd_train.tools.inference import FORMATS, SIDECAR, export_runner, find_checkpoint, load_trained, outputs
+from hvd_train.run.directory import temporary_beside, write_json
 from hvd_train.trust import TRUST_FLAG, refuse_code_from
 
 # Suffix of each format's file, and its tolerance (absolute, relative): safetensors holds the weights themselves, so

@@ -7,10 +7,10 @@ import zipfile
 
 import torch
 
-from hvd_train import checkpoint
-from hvd_train.run_dir import BEST_CHECKPOINT, LAST_CHECKPOINT
+from hvd_train.run import checkpoint
+from hvd_train.run.directory import BEST_CHECKPOINT, LAST_CHECKPOINT
 from hvd_train.errors import CheckpointError
-from hvd_train.model_card import ModelCard, card_of_checkpoint
+from hvd_train.run.model_card import ModelCard, card_of_checkpoint
 
 SIDECAR = ".json"  # model.onnx -> model.onnx.json: the card and the parity check, beside every export
 SIDECAR_MAX_BYTES = 16 * 2**20  # a card with a class list of a million names fits in far less

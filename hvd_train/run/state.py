@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import hvd_utils
-from hvd_train import interrupt
-from hvd_train.checkpoint import VERSION, Checkpointer, read_into, rng_state, set_rng_state
+from hvd_train.guards import interrupt
+from hvd_train.run.checkpoint import VERSION, Checkpointer, read_into, rng_state, set_rng_state
 from hvd_train.errors import CheckpointError
-from hvd_train.metrics import candidate, improved, reached
-from hvd_train.model_card import card_for
-from hvd_train.reporting import Reporter, seconds_since_start
-from hvd_train.run_dir import RunDir
+from hvd_train.run.best import candidate, improved, reached
+from hvd_train.run.model_card import card_for
+from hvd_train.run.reporting import Reporter, seconds_since_start
+from hvd_train.run.directory import RunDir
 from hvd_train.schedule import lr_factor
 
 log = logging.getLogger("hvd_train")
@@ -38,7 +38,7 @@ class RunState:
     in_epoch: int = 0                    # the epoch being trained (once its first step is under way)
     epoch_first_step: int = 0            # the value of `step` when it began
     first_loss: Optional[float] = None   # the run's first step's loss (all ranks), what divergence is measured by
-    tracking: dict = field(default_factory=dict)  # the experiment trackers' run ids (hvd_train/tracking.py)
+    tracking: dict = field(default_factory=dict)  # the experiment trackers' run ids (hvd_train/run/tracking.py)
 
     CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "best_weights", "history",
                     "resumes", "first_loss", "tracking")
@@ -107,7 +107,7 @@ class RunState:
                              "time": time.time()})
 
     def tracked_as(self, ids):
-        """The experiment trackers' run ids (hvd_train/tracking.py), which the checkpoints keep."""
+        """The experiment trackers' run ids (hvd_train/run/tracking.py), which the checkpoints keep."""
         self.tracking.update(ids)
 
     def checkpoint_fields(self):
@@ -153,7 +153,7 @@ class Outputs:
     checkpointer: Checkpointer
     reporter: Reporter
     fits: dict
-    card: dict  # what rebuilds and feeds the model outside the app (hvd_train/model_card.py)
+    card: dict  # what rebuilds and feeds the model outside the app (hvd_train/run/model_card.py)
 
 
 class AfterEpoch:

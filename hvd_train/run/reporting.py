@@ -12,7 +12,7 @@ import time
 import psutil
 
 import hvd_utils
-from hvd_train.run_dir import atomic_write, reported_write, write_json
+from hvd_train.run.directory import atomic_write, reported_write, write_json
 from hvd_train.schedule import batching
 
 log = logging.getLogger("hvd_train")
@@ -49,7 +49,7 @@ class Reporter:
         self.enabled = enabled
 
     def track(self, trackers):
-        """Experiment trackers (hvd_train/tracking.py) that get each epoch's record and, at the end, the summary."""
+        """Experiment trackers (hvd_train/run/tracking.py) that get each epoch's record and, at the end, the summary."""
         self.trackers = list(trackers)
 
     def epoch(self, record, committed=True):
