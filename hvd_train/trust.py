@@ -57,5 +57,5 @@ def refuse_code_from(values, where, trusted, given=None):
         if setting in given or setting.rsplit(".", 1)[0] in given:
             continue
         raise ConfigError(f"{where}: {setting}={value!r} is {what}; a file is data and does not choose code for "
-                          f"you. If you trust this file, pass {TRUST_FLAG} (README: What is code and what is "
-                          f"data), or give the setting on the command line yourself")
+                          f"you. If you trust this file, pass {TRUST_FLAG} (docs/reliability.md: What is code and "
+                          f"what is data), or give the setting on the command line yourself")

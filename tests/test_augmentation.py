@@ -162,11 +162,11 @@ def test_settings_that_cannot_apply_are_refused_in_one_line(tmp_path, app, args,
     assert not (tmp_path / "out").exists()
 
 
-def test_every_timm_flag_is_in_help_and_the_readme():
+def test_every_timm_flag_is_in_help_and_the_docs():
     from hvd_train.config import ALIASES, build_parser
 
     text = build_parser().format_help()
-    readme = (TRAIN.parent / "README.md").read_text()
+    readme = (TRAIN.parent / "docs" / "recipes.md").read_text()
     for flag in ("smoothing", "mixup", "cutmix", "mixup-prob", "mixup-switch-prob", "mixup-off-epoch", "aa",
                  "reprob", "remode", "color-jitter", "drop-path", "model-ema", "model-ema-decay", "model-ema-warmup",
                  "opt", "weight-decay", "sched", "layer-decay", "bce-loss", "checkpoint-hist", "grad-checkpointing",

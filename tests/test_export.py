@@ -1,6 +1,6 @@
 """After training: hvd-train export (safetensors, TorchScript, ONNX, each checked against the PyTorch model) and
 hvd-train predict (image files through the validation preprocessing), on runs of small_cnn, resnet18 and a user's
-plug-in model; and the README's lines that load a checkpoint for inference."""
+plug-in model; and the docs' lines that load a checkpoint for inference."""
 import inspect
 import json
 import re
@@ -207,9 +207,9 @@ def test_predict_refuses_what_is_not_an_image(runs, tmp_path):
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_the_readme_loads_a_checkpoint_for_inference(runs):
-    """The lines under README "Using the trained model" run as they are, on a run's checkpoint."""
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_load_a_checkpoint_for_inference(runs):
+    """The lines under "Using the trained model" (docs/after-training.md) run as they are, on a run's checkpoint."""
+    readme = (ROOT / "docs" / "after-training.md").read_text()
     section = readme.split("## Using the trained model", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     script = code.replace("runs/cifar10", str(runs / "small_cnn"))

@@ -87,7 +87,7 @@ class ModelCard:
         if not self.preprocessing:
             raise CheckpointError(f"the model {self.model} was trained on data that records no image preprocessing "
                                   f"(synthetic data, or your own data set without a 'preprocessing' fact), so image "
-                                  f"files cannot be fed to it; README: Using the trained model")
+                                  f"files cannot be fed to it; docs/after-training.md")
         try:
             return Preprocessing.from_dict(self.preprocessing)
         except (ValueError, KeyError, TypeError) as e:

@@ -49,7 +49,8 @@ def parse_args(argv):
     p.add_argument("--overwrite", action="store_true", help="replace an existing export at --out")
     p.add_argument(TRUST_FLAG, action="store_true", dest="trust_code",
                    help="let the checkpoint name code: your own model, task or data set as an import path, or a "
-                   "pipe: shard command (a checkpoint is data otherwise; README: What is code and what is data)")
+                   "pipe: shard command (a checkpoint is data otherwise; docs/reliability.md: What is code and what "
+                   "is data)")
     args = p.parse_args(argv)
     if args.samples < 2:
         p.error(f"--samples {args.samples}: the check needs at least 2 samples (the batch axis stays free)")

@@ -37,7 +37,7 @@ def parse_args(argv):
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.add_argument(TRUST_FLAG, action="store_true", dest="trust_code",
                    help="let the checkpoint or export name code (your own model as an import path); a model file "
-                   "is data otherwise (README: What is code and what is data)")
+                   "is data otherwise (docs/reliability.md: What is code and what is data)")
     args = p.parse_args(argv)
     if args.top_k < 1:
         p.error(f"--top-k {args.top_k}: must be 1 or more")

@@ -1,0 +1,150 @@
+"""The sections of how the job runs: Horovod, checkpoints, logging and trackers, the run itself, benchmark mode,
+profiling."""
+
+from dataclasses import dataclass
+
+from hvd_train.config.fields import DEVICES, PROFILE_RANKS, _Section, _choice, _require, opt
+
+
+@dataclass
+class HorovodConfig(_Section):
+    batches_per_allreduce: int = opt(1, "backward passes summed locally before one allreduce (gradient accumulation)",
+                                     flags=("batches-per-allreduce",))
+    fp16_allreduce: bool = opt(False, "compress gradients to fp16 for the allreduce (half the bytes on the wire)",
+                               flags=("fp16-allreduce",))
+    use_adasum: bool = opt(False, "combine gradients with Adasum instead of averaging them", flags=("use-adasum",))
+    gradient_predivide_factor: float = opt(1.0, "divide gradients by this before the allreduce, the rest after")
+    sync_bn: bool = opt(False, "batch-norm statistics computed over all ranks (hvd.SyncBatchNorm)", flags=("sync-bn",))
+    elastic: bool = opt(False, "elastic training under horovodrun --min-np/--max-np --host-discovery-script",
+                        flags=("elastic",))
+    commit_every: int = opt(20, "elastic: steps between state commits (at most this many are redone on a reset)")
+    fusion_threshold_mb: float = opt(-1.0, "tensor fusion buffer, MB (0: none; -1: 8 on CPUs, 128 on GPUs); "
+                                     "docs/speed.md")
+    cycle_time_ms: float = opt(0.0, "Horovod's cycle, ms (0: by launch, docs/speed.md); launcher flags win")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require(self.batches_per_allreduce >= 1, "horovod.batches_per_allreduce (--batches-per-allreduce)",
+                 self.batches_per_allreduce, "must be 1 or more")
+        _require(self.gradient_predivide_factor > 0, "horovod.gradient_predivide_factor",
+                 self.gradient_predivide_factor, "must be positive")
+        _require(self.commit_every >= 1, "horovod.commit_every", self.commit_every, "must be 1 or more steps")
+        _require(self.fusion_threshold_mb >= 0 or self.fusion_threshold_mb == -1, "horovod.fusion_threshold_mb",
+                 self.fusion_threshold_mb, "must be a buffer size in MB, 0 for no fusion, or -1 for the default")
+        _require(self.cycle_time_ms >= 0, "horovod.cycle_time_ms", self.cycle_time_ms,
+                 "must be a time in milliseconds, e.g. 10, or 0 for the default")
+        _require(not (self.use_adasum and self.gradient_predivide_factor != 1.0), "horovod.use_adasum",
+                 self.use_adasum, "cannot be combined with gradient_predivide_factor != 1")
+
+
+@dataclass
+class CheckpointConfig(_Section):
+    resume: str = opt("", "checkpoint to resume from: a path, or auto for the newest in <output dir>/checkpoints",
+                      flags=("resume",))
+    keep_last: int = opt(3, "how many of the newest per-epoch checkpoints to keep (last.pt and best.pt are extra)")
+    every_epochs: int = opt(1, "write a checkpoint every this many epochs (and after the last)")
+    hist: int = opt(1, "how many of the best checkpoints to keep: best.pt and, from 2, best_epoch_NNNN.pt for each "
+                    "of the N best epochs by the task's best metric", flags=("checkpoint-hist",))
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "must be 0 or more")
+        _require(self.every_epochs >= 1, "checkpoint.every_epochs", self.every_epochs, "must be 1 or more")
+        _require(self.hist >= 1, "checkpoint.hist (--checkpoint-hist)", self.hist, "must be 1 or more")
+
+
+@dataclass
+class LoggingConfig(_Section):
+    progress: bool = opt(True, "rank 0 shows its progress through each epoch: a bar (tqdm) on a terminal, under "
+                         "any launcher; a whole line every progress_every seconds in a log")
+    progress_every: float = opt(60.0, "seconds between progress lines where the output is not a terminal (a log "
+                                "file, a pipe); 0: none")
+    log_every: int = opt(20, "steps between progress updates and the all-rank non-finite loss check")
+    tensorboard: bool = opt(True, "write TensorBoard events to <output dir>/tensorboard")
+    plot: bool = opt(True, "draw the loss and accuracy curves to <output dir>/curves.png at the end")
+    mlflow: bool = opt(False, "log the run to MLflow from rank 0: a SQLite store in the output directory "
+                       "(<output dir>/mlflow.db) unless --mlflow-uri names a tracking server", flags=("mlflow",))
+    mlflow_uri: str = opt("", "MLflow tracking URI (http://host:5000, sqlite:///path.db, databricks); implies --mlflow",
+                          flags=("mlflow-uri",))
+    mlflow_experiment: str = opt("hvd-train", "MLflow experiment the run is logged in (created if missing)")
+    wandb: bool = opt(False, "log the run to Weights & Biases offline from rank 0: <output dir>/wandb/offline-run-*, "
+                      "uploaded later with `wandb sync` (no network while training)", flags=("wandb",))
+    wandb_project: str = opt("hvd-train", "W&B project of the run")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require(self.log_every >= 1, "logging.log_every", self.log_every, "must be 1 or more steps")
+        _require(self.progress_every >= 0, "logging.progress_every", self.progress_every, "must be 0 or more seconds")
+
+
+@dataclass
+class RunConfig(_Section):
+    output_dir: str = opt("runs/latest", "where rank 0 writes summary, metrics, checkpoints and the resolved config",
+                          flags=("output-dir",))
+    seed: int = opt(42, "base random seed; rank r seeds with seed + r, parameters come from rank 0", flags=("seed",))
+    evaluate: bool = opt(False, "only evaluate the checkpoint given by --resume, then stop", flags=("evaluate",))
+    overwrite: bool = opt(False, "start afresh in an output directory that holds a run, replacing its files",
+                          flags=("overwrite",))
+    device: str = opt("auto", "auto (the GPU local_rank when CUDA sees one, else the CPU), cuda or cpu",
+                      flags=("device",), choices=DEVICES)
+    name: str = opt("", "name of this configuration in the summary (default: the recipe's file name)")
+    stop_at: float = opt(0.0, "stop once an epoch reaches this (98: val top-1 98%; VAE: val loss <= it); 0: off",
+                         flags=("stop-at",))
+    freeze_timeout_s: float = opt(300.0, "end the job, naming the rank that holds it up, when this rank has waited "
+                                  "this many seconds without progress (0: never; fixed-size jobs)",
+                                  flags=("freeze-timeout",))
+    patience: int = opt(0, "early stopping: end training when the best metric has not improved for this many "
+                        "epochs (decided on the global metric, every rank together); 0: off", flags=("patience",))
+    divergence_factor: float = opt(100.0, "stop every rank (exit 3) when an epoch's training loss exceeds this many "
+                                   "times the run's first-step loss: training that diverged but stayed finite; 0: off")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require(bool(self.output_dir), "run.output_dir (--output-dir)", self.output_dir, "must name a directory")
+        _require(self.stop_at >= 0, "run.stop_at (--stop-at)", self.stop_at,
+                 "must be a target value of the best metric (e.g. 98 for 98% val top-1), or 0 for none")
+        _choice("run.device (--device)", self.device, DEVICES)
+        _require(self.patience >= 0, "run.patience (--patience)", self.patience, "must be 0 (off) or more epochs")
+        _require(self.freeze_timeout_s == 0 or self.freeze_timeout_s >= 10,
+                 "run.freeze_timeout_s (--freeze-timeout)", self.freeze_timeout_s,
+                 "must be a number of seconds of at least 10 (a step may take seconds), or 0 to never end a job")
+        _require(self.divergence_factor == 0 or self.divergence_factor > 1, "run.divergence_factor",
+                 self.divergence_factor, "must be above 1 (how many times the first loss means diverged), or 0 for off")
+
+
+@dataclass
+class BenchmarkConfig(_Section):
+    enabled: bool = opt(False, "time training steps on one synthetic in-memory batch instead of training",
+                        flags=("benchmark",))
+    num_warmup_batches: int = opt(10, "untimed steps first: allocator, caches and Horovod's first negotiation settle",
+                                  flags=("num-warmup-batches",))
+    num_iters: int = opt(10, "timed iterations; images/s is reported as mean +- 1.96 std over them",
+                         flags=("num-iters",))
+    num_batches_per_iter: int = opt(10, "training steps per timed iteration", flags=("num-batches-per-iter",))
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require(self.num_warmup_batches >= 0, "benchmark.num_warmup_batches (--num-warmup-batches)",
+                 self.num_warmup_batches, "must be 0 or more steps")
+        _require(self.num_iters >= 1, "benchmark.num_iters (--num-iters)", self.num_iters,
+                 "must be 1 or more timed iterations")
+        _require(self.num_batches_per_iter >= 1, "benchmark.num_batches_per_iter (--num-batches-per-iter)",
+                 self.num_batches_per_iter, "must be 1 or more steps")
+
+
+@dataclass
+class ProfileConfig(_Section):
+    enabled: bool = opt(False, "record a torch.profiler trace and Horovod's timeline of a few training steps into "
+                        "<output dir>/profile", flags=("profile",))
+    start: int = opt(5, "training steps left out before the profiled ones (warm-up, Horovod's first negotiation, "
+                     "torch.compile)", flags=("profile-start",))
+    steps: int = opt(3, "training steps profiled", flags=("profile-steps",))
+    ranks: str = opt("0", "whose steps torch.profiler records: 0 (rank 0) or all (a trace per rank); Horovod's "
+                     "timeline is rank 0's view of every rank", flags=("profile-ranks",), choices=PROFILE_RANKS)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require(self.start >= 0, "profile.start (--profile-start)", self.start, "must be 0 or more steps")
+        _require(1 <= self.steps <= 1000, "profile.steps (--profile-steps)", self.steps,
+                 "must be 1 to 1000 steps (a trace of more is too large to open)")
+        _choice("profile.ranks (--profile-ranks)", self.ranks, PROFILE_RANKS)

@@ -1,0 +1,82 @@
+"""The whole configuration (one section per concern) with its cross-section checks, and every field with its
+flags: what --help, docs/settings.md and the messages are made from."""
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from hvd_train.uris import redact, redact_all
+from hvd_train.config.fields import _require
+from hvd_train.config.learning import AugConfig, DataConfig, ModelConfig, OptimConfig
+from hvd_train.config.job import (BenchmarkConfig, CheckpointConfig, HorovodConfig, LoggingConfig, ProfileConfig,
+                                  RunConfig)
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    aug: AugConfig = field(default_factory=AugConfig)
+    horovod: HorovodConfig = field(default_factory=HorovodConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    def __post_init__(self):
+        _require(not self.run.evaluate or bool(self.checkpoint.resume), "run.evaluate (--evaluate)",
+                 self.run.evaluate, "needs a checkpoint: add --resume PATH or --resume auto")
+        _require(not (self.horovod.elastic and self.data.download), "horovod.elastic (--elastic)", True,
+                 "cannot download (--download) while workers come and go: fetch the data set once beforehand")
+        _require(not (self.run.overwrite and self.checkpoint.resume), "run.overwrite (--overwrite)",
+                 self.run.overwrite, "contradicts --resume: continue the run, or replace it, not both")
+        _require(not (self.horovod.use_adasum and self.optim.amp == "fp16"), "horovod.use_adasum (--use-adasum)",
+                 self.horovod.use_adasum, "cannot be combined with --amp fp16: the gradient scaler needs averaged "
+                 "gradients, which Adasum does not produce; use --amp bf16")
+
+        _require(not (self.model.channels_last and self.horovod.elastic), "model.channels_last (--channels-last)",
+                 True, "cannot be combined with --elastic: Horovod's elastic state broadcasts the weights as they "
+                 "are, and its collectives take only tensors in the default layout")
+        _require(not (self.benchmark.enabled and (self.run.evaluate or self.horovod.elastic)),
+                 "benchmark.enabled (--benchmark)", True, "times training steps on its own: leave out --evaluate "
+                 "and --elastic")
+
+        _require(self.model.compile or self.model.compile_mode == ModelConfig.compile_mode,
+                 "model.compile_mode (--compile-mode)", self.model.compile_mode,
+                 "has no effect without --compile: add --compile")
+        _require(not (self.profile.enabled and self.run.evaluate), "profile.enabled (--profile)", True,
+                 "records training steps, and --evaluate trains none: leave out one of them")
+
+    def to_dict(self):
+        """The settings as they are stored and shown (config.json, checkpoints, summaries, trackers): URIs without
+        their credentials (hvd_train/uris.py), which stay in this process alone."""
+        d = dataclasses.asdict(self)
+        d["logging"]["mlflow_uri"] = redact(d["logging"]["mlflow_uri"])
+        for name in ("train_shards", "val_shards", "shard_index"):
+            d["data"][name] = redact_all(d["data"][name])
+        return d
+
+    def to_json(self):
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _fields():
+    """(section name, section class, field) for every configurable field, in declaration order."""
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.type):
+            yield section.name, section.type, f
+
+
+# Short flags for the settings people reach for first (each field's own `flags`), and the fields that take only
+# some values; every field also has its `--section.field` form.
+ALIASES = {flag: f"{section}.{f.name}" for section, _, f in _fields() for flag in f.metadata["flags"]}
+CHOICES = {f"{section}.{f.name}": f.metadata["choices"] for section, _, f in _fields() if f.metadata["choices"]}
+
+
+def settings_rows():
+    """Every setting as documentation: section, `section.field`, short flags, default, meaning (docs/settings.md)."""
+    for section, _, f in _fields():
+        default = ",".join(map(str, f.default)) if f.type is tuple else {} if f.type is dict else f.default
+        yield {"section": section, "setting": f"{section}.{f.name}", "flags": f.metadata["flags"],
+               "default": default, "help": f.metadata["help"]}
