@@ -1,20 +1,16 @@
-"""hvd-train: the application around Horovod's data-parallel recipe (train_hvd.py is the entry point).
+"""hvd-train: the application around Horovod's data-parallel recipe (train_hvd.py, also installed here as recipe).
 
-config      the one typed configuration (defaults < YAML recipe < command line)
-build       the parts a mode needs: checks, data, model, optimizer, learning-rate schedule, the Trainer
+app         the hvd-train commands, the checks before and after Horovod starts, the one error guard
+training    the steps of a run that train_hvd.py calls, shared by fixed and elastic runs
+build       the builders behind those steps: settings checks, data sets, model, task, optimizer
 engine      a step, an epoch, validation, and the one training loop (fit) that every mode drives through hooks
-schedule    the one learning-rate mechanism: the rate as a function of progress in (fractional) epochs
-run_state   what a run has done so far (epochs, steps, history, best metric) and what follows each epoch
-run_dir     every file a run writes, claiming the directory, and the one atomic writer
-checkpoint  one save and one load
-reporting   metrics.jsonl, TensorBoard, the curves, the setup lines and summary.json
-modes/      elastic, evaluate, benchmark (the fixed-size training run, the recipe, is in train_hvd.py)
-plugins     how a model, data set or task is named (one that ships, or package.module:name) and built
-tasks       the task interface, and classification and the VAE written against it
-weights     --init-from and --freeze
-api         hvd_train.run(): the app around the objects of a user's own script
-model_card  what rebuilds and feeds a trained model; inference, export, predict: using it after training
-tracking    MLflow and W&B (offline) on rank 0
+schedule    the batch arithmetic (Batching) and the one learning-rate mechanism
+config/     the one typed configuration (defaults < YAML recipe < command line), each field with its flags
+run/        the output directory and everything written into it: checkpoints, the run's state, reports, trackers
+guards/     the watchdog that names a frozen rank; Ctrl-C and SIGTERM
+tools/      hvd-train doctor, shard, export, predict, and the inference they share
+modes/      what differs from the recipe: elastic (its loop), evaluate and benchmark (they measure)
+tasks, plugins, datasets, weights, regularize, profiling, trust, uris, api: the pieces those use
 Horovod itself is used only through hvd_utils.
 """
 

@@ -22,37 +22,49 @@ log = logging.getLogger("hvd_train")
 
 
 class ElasticHooks(Hooks):
-    """fit()'s hooks in an elastic run: the sampler's position and the step counters are committed every
+    """fit()'s hooks in an elastic run: the step counters, and the sampler's position, are committed every
     `commit_every` steps and after each epoch; st.resets and st.redone count the resets and the steps they rolled
-    back (in the state, so a worker that joins later reports the whole run's)."""
+    back (in the state, so a worker that joins later reports the whole run's).
 
-    def __init__(self, st, sampler, after_epoch, commit_every, batch_size):
-        super().__init__(sampler, after_epoch, after_epoch.state)
+    Tar shards (data/shards.py; sampler None) plan each epoch whole for a number of ranks: their hooks commit at
+    epoch ends only, so a reset rolls the model back to the start of the epoch in progress, which is then read again
+    from its beginning, planned for the new set of workers. The steps since that start are redone (counted), and no
+    update from a sample of that epoch survives twice."""
+
+    def __init__(self, st, after_epoch, sampler=None, commit_every=0, batch_size=0):
+        super().__init__(sampler, after_epoch, after_epoch.state)  # tar shards: each entry sets its loader
         self.st, self.commit_every, self.batch_size = st, commit_every, batch_size
+        self.by_sample = sampler is not None  # Horovod's ElasticSampler: the position within an epoch survives
         self.epochs = after_epoch.trainer.epochs
-        self.num_samples = len(sampler.dataset)
         self.done = {"epoch": 1, "batch": 0}  # the last step done, before any rollback
 
     def epoch_start(self, epoch):
-        """Nothing: Horovod's ElasticSampler starts a new epoch when set_epoch is called at the end of the last."""
+        # Horovod's ElasticSampler starts a new epoch when set_epoch is called at the end of the last; a tar
+        # shard loader plans its epoch here.
+        if not self.by_sample:
+            super().epoch_start(epoch)
 
     def position(self, epoch, step, steps):
-        return epoch - 1 + min(1.0, self.sampler.processed_num / self.num_samples)
+        if not self.by_sample:
+            return super().position(epoch, step, steps)
+        return epoch - 1 + min(1.0, self.sampler.processed_num / len(self.sampler.dataset))
 
     def after_step(self, epoch):
         st = self.st
         st.batch += 1
         st.steps += 1
-        self.sampler.record_batch(st.batch, self.batch_size)
         self.done = {"epoch": epoch, "batch": st.batch}
-        if st.batch % self.commit_every == 0:
-            st.commit()  # also where a worker learns that hosts were added or removed
+        if self.by_sample:
+            self.sampler.record_batch(st.batch, self.batch_size)
+            if st.batch % self.commit_every == 0:
+                st.commit()  # also where a worker learns that hosts were added or removed
 
     def epoch_end(self, epoch, record):
         st = self.st
         self.state.set_steps(st.steps)
         stop = super().epoch_end(epoch, record)
-        self.sampler.set_epoch(epoch + 1)
+        if self.by_sample:
+            self.sampler.set_epoch(epoch + 1)
         st.batch, st.epoch = 0, (self.epochs + 1 if stop else epoch + 1)
         # The history and best metric travel with the state: a worker that joined later, and may be rank 0 once
         # the others are gone, writes the whole run into its checkpoints and summary.
@@ -65,35 +77,6 @@ class ElasticHooks(Hooks):
             self.st.redone += self.done["batch"] - self.st.batch
         self.st.resets += 1
         self.st.save()  # the restore point stays the last commit; only the counts are kept from here
-
-
-class StreamedElasticHooks(ElasticHooks):
-    """For tar shards (data/shards.py), whose epochs are planned whole for a number of ranks: commits at epoch ends
-    only, so a reset rolls the model back to the start of the epoch in progress, which is then read again from its
-    beginning, planned for the new set of workers. The steps since that start are redone (counted), and no update
-    from a sample of that epoch survives twice."""
-
-    def __init__(self, st, after_epoch):
-        Hooks.__init__(self, None, after_epoch, after_epoch.state)  # the sampler: each entry's loader
-        self.st, self.epochs = st, after_epoch.trainer.epochs
-        self.done = {"epoch": 1, "batch": 0}
-
-    epoch_start = Hooks.epoch_start  # the loader plans the epoch
-    position = Hooks.position
-
-    def after_step(self, epoch):
-        self.st.batch += 1
-        self.st.steps += 1
-        self.done = {"epoch": epoch, "batch": self.st.batch}
-
-    def epoch_end(self, epoch, record):
-        st = self.st
-        self.state.set_steps(st.steps)
-        stop = Hooks.epoch_end(self, epoch, record)
-        st.batch, st.epoch = 0, (self.epochs + 1 if stop else epoch + 1)
-        st.run = dict(self.state.checkpoint_fields(), history=list(self.state.history))
-        st.commit()
-        return stop
 
 
 def train(cfg, rt, data, trainer, loaders):
@@ -111,10 +94,7 @@ def train(cfg, rt, data, trainer, loaders):
     averaged = {"ema": trainer.ema} if trainer.ema is not None else {}
     st = elastic.state(trainer.model, trainer.optimizer, sampler, epoch=1, batch=0, steps=0, claimed=False,
                        run={}, resets=0, redone=0, **averaged)
-    if streamed:
-        hooks = StreamedElasticHooks(st, after_epoch)
-    else:
-        hooks = ElasticHooks(st, sampler, after_epoch, cfg.horovod.commit_every, data.spec.batch_size)
+    hooks = ElasticHooks(st, after_epoch, sampler, cfg.horovod.commit_every, data.spec.batch_size)
 
     def take_roles():
         # Rank 0 of the current workers writes; after a reset that may be another process than before. The rate

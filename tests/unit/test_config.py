@@ -108,7 +108,7 @@ def test_shipped_recipes_parse(tmp_path):
     import glob
     import os
 
-    recipes = glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml"))
+    recipes = glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "*.yaml"))
     assert recipes
     for recipe in recipes:
         parse_config(["--config", recipe])
