@@ -44,7 +44,7 @@ test: setup lint $(TEST_TOOLS)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
 test-images: setup
-	$(PY) -m pytest -m images -s tests/cluster/test_images.py.py
+	$(PY) -m pytest -m images -s tests/cluster/test_images.py
 
 bench: setup
 	$(PY) bench/run.py

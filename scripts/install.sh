@@ -16,7 +16,7 @@
 # Every step is skipped when already done, so running it again takes seconds.
 #
 # --test-tools installs only what the test suite starts besides the app (`make test` runs it): SLURM's daemons and
-# clients and munge (slurm-wlm, munge) for tests/cluster/test_slurm.py.py, with apt as root, else it prints the command.
+# clients and munge (slurm-wlm, munge) for tests/cluster/test_slurm.py, with apt as root, else it prints the command.
 #
 # With --python PATH, an interpreter that already has torch (an NGC container, a site's own build) is used as it is:
 # no virtual environment, torch is never reinstalled, and Horovod is built against that torch. --offline never
@@ -119,7 +119,7 @@ echo "python: $("$PYTHON" --version 2>&1) ($PYTHON), compiler: $( (g++ --version
 
 step "Checking OpenMPI, ssh and curl"
 # Horovod's MPI controller needs the MPI headers and wrappers at build time and mpirun at run time; ranks on other
-# hosts are started over ssh (sshd also serves the two-host test, tests/cluster/test_multihost.py.py).
+# hosts are started over ssh (sshd also serves the two-host test, tests/cluster/test_multihost.py).
 can_apt=0
 if [ "$APT" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then can_apt=1; fi
 # optional_tool NAME CHECK APT_COMMAND NOTE: NAME is there (CHECK succeeds), or installed with apt where this may,

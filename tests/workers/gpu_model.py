@@ -1,4 +1,4 @@
-"""A rank's GPU and its model, as the app sets them up, on a GPU machine (tests/launch/test_gpu.py.py).
+"""A rank's GPU and its model, as the app sets them up, on a GPU machine (tests/launch/test_gpu.py).
 
     gpu_model.py OUT_DIR [train_hvd.py flags, e.g. --model resnet18 --sync-bn]
 
