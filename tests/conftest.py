@@ -1,5 +1,6 @@
-"""Helpers for launching real Horovod jobs from tests: horovodrun (Gloo or MPI), mpirun, or one plain process; and
-for running the app's command line inside the test process, where a test needs no second rank."""
+"""Helpers for launching real Horovod jobs from tests: horovodrun (Gloo or MPI), mpirun, or one plain process; for
+running the app's command line inside the test process, where a test needs no second rank; an elastic job that loses
+a worker; a real MLflow server (the `server` fixture); a free loopback port. Every folder's tests share them."""
 import faulthandler
 import json
 import logging
@@ -7,12 +8,15 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,3 +219,78 @@ def pytest_collection_modifyitems(config, items):
 def worker():
     """Path of a worker script in tests/workers."""
     return lambda name: WORKERS / name
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_on(host, launcher_pid):
+    """The training process horovodrun started for `host` (found by the HOROVOD_HOSTNAME it was given)."""
+    for proc in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if "train_hvd.py" in " ".join(proc.cmdline()) and proc.environ().get("HOROVOD_HOSTNAME") == host:
+                return proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def elastic_run_losing_a_worker(tmp_path, *args, epochs=3, cwd=ROOT):
+    """train_hvd.py --elastic with `args` for `epochs` epochs under horovodrun --min-np 1 on two "hosts"; the
+    worker of 127.0.0.1 is killed once epoch 1 is over. Returns the job's output, after checking that it finished
+    on the survivor."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    env = {**job_env(), "HVD_HOSTS_FILE": str(hosts), "OMP_NUM_THREADS": "1"}
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+           str(ROOT / "hostfiles" / "discover_hosts.py"), sys.executable, str(ROOT / "train_hvd.py"), "--elastic",
+           "--epochs", str(epochs), "--horovod.commit_every", "5", "--logging.progress=false",
+           "--logging.tensorboard=false", "--logging.plot=false", *map(str, args)]
+    job = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, killed = [], None
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if killed is None and f"epoch 1/{epochs}" in line:  # epoch 1 is over: the kill lands in epoch 2
+                victim = worker_on("127.0.0.1", job.pid)
+                assert victim is not None, "no worker for 127.0.0.1"
+                os.kill(victim.pid, signal.SIGKILL)
+                killed = victim.pid
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    output = "".join(lines)
+    assert killed is not None and job.returncode == 0, output[-3000:]
+    assert "workers changed: now 1" in output
+    return output
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A real MLflow tracking server on a free loopback port, its runs in SQLite; yields (uri, process group, db)."""
+    port, db = free_port(), tmp_path / "mlflow-server.db"
+    proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination",
+                             str(tmp_path / "mlflow-artifacts"), "--workers", "1"],
+                            env=job_env(), stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+        try:
+            return urllib.request.urlopen(f"{uri}/health", timeout=5).read().strip() == b"OK"
+        except OSError:
+            return False
+
+    wait_for(healthy, "the MLflow server to answer /health")
+    yield uri, proc.pid, db
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

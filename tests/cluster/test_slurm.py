@@ -9,16 +9,10 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, job_env, read_json, wait_for
+from conftest import ROOT, free_port, job_env, read_json, wait_for
 
 pytestmark = pytest.mark.distributed
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slurm_conf(d, host):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_refused, launch, read_json, run_app
-from test_elastic import elastic_run_losing_a_worker
+from conftest import elastic_run_losing_a_worker
 
 
 def train(launcher, np, out, *flags, check=True, env=None):

@@ -7,55 +7,12 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
-from conftest import BIN, ROOT, app_output, job_env, read_json
+from conftest import BIN, ROOT, app_output, job_env, read_json, worker_on
 
 pytestmark = pytest.mark.distributed
 COMMIT_EVERY = 5
-
-
-def worker_on(host, launcher_pid):
-    """The training process horovodrun started for `host` (found by the HOROVOD_HOSTNAME it was given)."""
-    for proc in psutil.Process(launcher_pid).children(recursive=True):
-        try:
-            if "train_hvd.py" in " ".join(proc.cmdline()) and proc.environ().get("HOROVOD_HOSTNAME") == host:
-                return proc
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None
-
-
-def elastic_run_losing_a_worker(tmp_path, *args, epochs=3, cwd=ROOT):
-    """train_hvd.py --elastic with `args` for `epochs` epochs under horovodrun --min-np 1 on two "hosts"; the
-    worker of 127.0.0.1 is killed once epoch 1 is over. Returns the job's output, after checking that it finished
-    on the survivor."""
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text("localhost:1\n127.0.0.1:1\n")
-    env = {**job_env(), "HVD_HOSTS_FILE": str(hosts), "OMP_NUM_THREADS": "1"}
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
-           str(ROOT / "hostfiles" / "discover_hosts.py"), sys.executable, str(ROOT / "train_hvd.py"), "--elastic",
-           "--epochs", str(epochs), "--horovod.commit_every", "5", "--logging.progress=false",
-           "--logging.tensorboard=false", "--logging.plot=false", *map(str, args)]
-    job = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, killed = [], None
-    try:
-        for line in job.stdout:
-            lines.append(line)
-            if killed is None and f"epoch 1/{epochs}" in line:  # epoch 1 is over: the kill lands in epoch 2
-                victim = worker_on("127.0.0.1", job.pid)
-                assert victim is not None, "no worker for 127.0.0.1"
-                os.kill(victim.pid, signal.SIGKILL)
-                killed = victim.pid
-        job.wait(timeout=120)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    output = "".join(lines)
-    assert killed is not None and job.returncode == 0, output[-3000:]
-    assert "workers changed: now 1" in output
-    return output
 
 
 def test_a_killed_worker_leaves_the_survivor_to_finish_with_at_most_one_commit_redone(tmp_path):

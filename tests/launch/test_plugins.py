@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import QUIET, ROOT, assert_refused, launch, read_json, run_app
-from test_elastic import elastic_run_losing_a_worker
+from conftest import elastic_run_losing_a_worker
 
 EXAMPLES = ROOT / "examples"
 

@@ -2,48 +2,15 @@
 and is resumed is one MLflow run with one value per epoch, equal to metrics.jsonl and summary.json; a server killed
 mid-run leaves training finishing with its warning; without a URI the run goes to a store in the output directory.
 --wandb: W&B's offline run directories, read back from W&B's own record files, with the same rules."""
-import os
-import signal
-import subprocess
-import urllib.request
-
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import BIN, QUIET, WORKERS, job_env, launch, read_json, run_app, wait_for
-from test_slurm import free_port
+from conftest import QUIET, WORKERS, launch, read_json, run_app
 
 # The digits on 2 ranks, 32 a batch: 22 full steps per rank per epoch. Checkpoints every 2 epochs, so a crash in epoch
 # 4 leaves epoch 3's record written but not committed: the resumed run trains it again.
 EPOCHS = ("--epochs", "4", "--batch-size", "32", "--checkpoint.every_epochs", "2")
 STEPS_PER_EPOCH = 22
-
-
-@pytest.fixture
-def server(tmp_path):
-    """A real MLflow tracking server on a free loopback port, its runs in SQLite; yields (uri, process group, db)."""
-    port, db = free_port(), tmp_path / "mlflow-server.db"
-    proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination",
-                             str(tmp_path / "mlflow-artifacts"), "--workers", "1"],
-                            env=job_env(), stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-        try:
-            return urllib.request.urlopen(f"{uri}/health", timeout=5).read().strip() == b"OK"
-        except OSError:
-            return False
-
-    wait_for(healthy, "the MLflow server to answer /health")
-    yield uri, proc.pid, db
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def the_run(uri):

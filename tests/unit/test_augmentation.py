@@ -190,7 +190,7 @@ def test_recipes_name_their_source_and_augment():
 
 @pytest.mark.distributed
 def test_the_weight_average_and_mixing_survive_an_elastic_reset(tmp_path):
-    from test_elastic import elastic_run_losing_a_worker
+    from conftest import elastic_run_losing_a_worker
 
     out = tmp_path / "run"
     elastic_run_losing_a_worker(tmp_path, "--output-dir", out, "--model-ema", "--model-ema-warmup", "--mixup", 0.2,

@@ -18,7 +18,7 @@ from hvd_train.data.shards import ShardSet, train_plan
 from formats import write_image_folder
 from hvd_train.config import DataConfig
 from hvd_train.datasets import build_datasets
-from test_elastic import elastic_run_losing_a_worker
+from conftest import elastic_run_losing_a_worker
 
 
 def shard(out, *args):

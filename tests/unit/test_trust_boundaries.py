@@ -29,7 +29,6 @@ import torch
 
 from conftest import QUIET, ROOT, TRAIN, WORKERS, app_output, launch, read_json, run_app
 from formats import write_image_folder
-from test_tracking import server  # noqa: F401  (the real MLflow server fixture)
 
 from hvd_train.tools import export, predict
 from hvd_train.guards import watchdog
