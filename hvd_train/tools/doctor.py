@@ -20,63 +20,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from hvd_train.hostfiles.validate import HostListError, parse, read_lines, resolve, windows_line_ending
+from hvd_train.tools.doctor_probes import CONNECT, LISTEN, PROBE
 
 SSH_TIMEOUT = 60  # seconds for one ssh command: a host that does not answer within it is reported, not waited on
-
-# Runs on every host (stdin of `python -`): one JSON line of facts, nothing that needs Horovod to be initialised.
-PROBE = r"""
-import json, os, platform, shutil, socket, sys, time
-from importlib import metadata
-facts = {"python": platform.python_version(), "time": time.time(), "hostname": socket.gethostname()}
-for dist in ("torch", "horovod", "hvd-train"):
-    try:
-        facts[dist] = metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        facts[dist] = None
-try:
-    facts["resolves_to"] = socket.gethostbyname(socket.gethostname())
-except OSError:
-    facts["resolves_to"] = None
-import psutil
-facts["interfaces"] = {name: [a.address for a in addrs if a.family == socket.AF_INET]
-                       for name, addrs in psutil.net_if_addrs().items()}
-try:
-    import horovod.torch as hvd
-    facts["build"] = {"MPI": hvd.mpi_built(), "Gloo": hvd.gloo_built(), "NCCL": hvd.nccl_built() > 0}
-except Exception as e:
-    facts["build"] = {"error": f"{type(e).__name__}: {e}"}
-import torch
-facts["gpus"] = torch.cuda.device_count()
-facts["cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-facts["mpirun"] = shutil.which("mpirun")
-path = os.path.abspath(sys.argv[1])
-while not os.path.exists(path):
-    path = os.path.dirname(path)
-facts["disk_path"], facts["disk_free"] = path, shutil.disk_usage(path).free
-facts["disk_writable"] = os.access(path, os.W_OK)
-print(json.dumps(facts))
-"""
-
-# Listens on one address until stdin closes; prints its port first.
-LISTEN = r"""
-import socket, sys, threading
-s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(64)
-print(s.getsockname()[1], flush=True)
-threading.Thread(target=lambda: [s.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
-sys.stdin.read()
-"""
-
-# Connects to every (name, address, port) given as JSON; prints which failed and why.
-CONNECT = r"""
-import json, socket, sys
-failed = {}
-for name, address, port in json.loads(sys.argv[1]):
-    try:
-        socket.create_connection((address, port), timeout=10).close()
-    except OSError as e:
-        failed[name] = f"{address}:{port}: {e.strerror or e}"
-print(json.dumps(failed))
-"""
 
 
 class Hosts:
