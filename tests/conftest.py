@@ -294,3 +294,14 @@ def server(tmp_path):
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+def trainer_for(model, optimizer, **opts):
+    """A Trainer of the classification task around `model` and `optimizer` on the CPU, for one step's unit tests."""
+    import torch
+
+    from hvd_train.engine import StepOptions, Trainer
+    from hvd_train.tasks import builtin_task
+
+    return Trainer(model, builtin_task("classification"), optimizer, schedule=None, device=torch.device("cpu"),
+                   opts=StepOptions(**opts))
