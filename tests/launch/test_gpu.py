@@ -82,7 +82,7 @@ def test_the_default_recipe_on_the_gpu_reaches_the_cpu_tests_accuracy_bar(tmp_pa
     assert "device cuda:0" in proc.stdout
     s = read_json(tmp_path / "summary.json")
     assert (s["device"], s["tensor_ops"], s["epochs"], len(s["history"])) == ("cuda:0", "NCCL", 15, 15)
-    assert s["best_val_acc1"] >= 97.0 and s["final_val_acc1"] >= 97.0  # the bar of test_end_to_end.py
+    assert s["best_val_acc1"] >= 97.0 and s["final_val_acc1"] >= 97.0  # the bar of test_every_launcher_trains.py
     ckpt, saved_on = _load_on_cpu(tmp_path / "checkpoints" / "last.pt")
     assert {saved_on(t) for t in ckpt["model"].values()} == {"cuda:0"}  # where the weights trained
     assert {saved_on(t) for state in ckpt["optimizer"]["state"].values() for t in state.values()} == {"cuda:0"}
