@@ -41,7 +41,7 @@ def cli(train=None):
         module = importlib.import_module(SUBCOMMANDS[command][0])
         sys.exit(module.main(sys.argv[2:]))
     train = train or recipe_main()
-    sys.exit(guarded(lambda: train()))
+    sys.exit(guarded(train))
 
 
 def recipe_main():
