@@ -7,7 +7,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset, default_collate
 
-from hvd_train.data import shards
+from hvd_train.data import shard_index, shards
 from hvd_train.data.augment import SeededBatches, SeededSamples
 from hvd_train.data.catalog import CHOICES, DATASETS, FROM_FILES, find_dataset, native_size
 from hvd_train.data.errors import BadSampleError, DataError
@@ -147,9 +147,9 @@ def shard_loaders(train_set, val_set, spec, rank, world_size):
 
 
 def is_streamed(train_set):
-    return isinstance(train_set, shards.ShardSet)
+    return isinstance(train_set, shard_index.ShardSet)
 
 
 def check_world(train_set, world_size, spec):
-    """Tar shards: every rank needs whole shards of its own and a full batch from them (data/shards.py)."""
-    shards.check_plan(train_set, world_size, spec.batch_size, spec.workers, seed=spec.seed)
+    """Tar shards: every rank needs whole shards of its own and a full batch from them (data/shard_index.py)."""
+    shard_index.check_plan(train_set, world_size, spec.batch_size, spec.workers, seed=spec.seed)

@@ -9,10 +9,11 @@ import dataclasses
 import inspect
 from functools import partial
 
-from hvd_train.data import cifar, mnist, shards, stl10
+from hvd_train.data import cifar, mnist, stl10
 from hvd_train.data.augment import Augmentation
 from hvd_train.data.digits import load_digits_dataset
 from hvd_train.data.preprocessing import describe
+from hvd_train.data.shard_index import open_sets
 from hvd_train.data.synthetic import SyntheticDataset
 
 
@@ -82,7 +83,7 @@ def imagefolder(data_dir, image_size=224, skip_bad_files=False, augment=NO_AUGME
 def shard_sets(train_shards="", val_shards="", shard_index="", image_size=0, augment=NO_AUGMENTATION):
     """WebDataset tars written by `hvd-train shard`; the facts come from their index. Training samples are
     augmented as the data set they were written from (the index's source) would be."""
-    train, val, facts = shards.open_sets(train_shards, val_shards, shard_index)
+    train, val, facts = open_sets(train_shards, val_shards, shard_index)
     kind = "photos" if facts.get("transform") == "photos" else KIND_OF.get(facts.get("source"))
     train = dataclasses.replace(train, augment=(augment, kind))
     if facts.get("transform") == "samples":  # a user's data set: its own facts, as its factory gave them

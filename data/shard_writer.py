@@ -17,7 +17,7 @@ from torch.utils.data import Subset
 
 from hvd_train.data.arrays import ImageTensorDataset
 from hvd_train.data.errors import DataError
-from hvd_train.data.shards import FORMAT, INDEX
+from hvd_train.data.shard_index import FORMAT, INDEX
 
 
 def raw_samples(dataset):

@@ -39,7 +39,7 @@ def build_datasets(dc, seed=0, augment=None):
                           f"facts a dict such as {{'num_classes': 10}}; it returned {_describe(made)}")
     for split, dataset in zip(("training", "validation"), made[:2]):
         if (split == "validation" and dataset is None) or is_streamed(dataset):
-            continue  # the app splits the training set; tar shards are planned by data/shards.py
+            continue  # the app splits the training set; tar shards are planned by data/shard_index.py
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or \
                 not hasattr(dataset, "__getitem__"):
             raise ConfigError(f"--dataset={name!r}: the {split} set ({type(dataset).__name__}) has no __len__ and "

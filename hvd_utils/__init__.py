@@ -7,7 +7,7 @@ from hvd_utils.metrics import (allreduce_sums, fingerprints_by_rank, gather_floa
                                params_fingerprint, sum_across_ranks)
 from hvd_utils.optim import (apply_gradients, average_buffers, broadcast_state, distributed_optimizer, lr_scale,
                              sync_batch_norm)
-from hvd_utils.rank0 import broadcast_loaded, broadcast_module, decide_on_root
+from hvd_utils.rank0 import broadcast_module, decide_on_root
 from hvd_utils import timeline
 from hvd_utils.data import shard_sampler
 from hvd_utils.runtime import (PeerFailure, Runtime, init, launcher_rank, pin_to_local_rank, rank, run_on_local_root,
@@ -16,6 +16,6 @@ from hvd_utils.runtime import (PeerFailure, Runtime, init, launcher_rank, pin_to
 __all__ = ["timeline", "PeerFailure", "Runtime", "init", "start", "pin_to_local_rank", "shard_sampler",
            "launcher_rank", "run_on_local_root", "shutdown", "world_size",
            "lr_scale", "distributed_optimizer", "apply_gradients", "average_buffers", "broadcast_state",
-           "sync_batch_norm", "decide_on_root", "broadcast_loaded", "broadcast_module", "rank", "allreduce_sums",
+           "sync_batch_norm", "decide_on_root", "broadcast_module", "rank", "allreduce_sums",
            "sum_across_ranks", "gather_floats", "gather_objects",
            "allreduce_average", "params_fingerprint", "fingerprints_by_rank"]

@@ -87,14 +87,16 @@ def apply_gradients(optimizer, step, before_step=None):
         return step()
 
 
-def broadcast_state(model, optimizer, root_rank=0):
-    """Horovod: copy optimizer state, parameters and buffers from root_rank, so all ranks start identical.
+def broadcast_state(model, optimizer=None, root_rank=0):
+    """Horovod: copy optimizer state (where there is an optimizer), parameters and buffers from root_rank, so all
+    ranks start identical: at the start, and after rank 0 alone loaded a checkpoint.
 
     The optimizer state goes first: on a rank with empty state, Horovod initialises it with one zero-gradient step,
     which moves parameters under weight decay; broadcasting the parameters afterwards undoes that.
     """
-    with default_layout(model, optimizer):
-        hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
+    with default_layout(model, optimizer):  # Horovod takes channels-last weights in the default layout only
+        if optimizer is not None:
+            hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
         hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
 
 

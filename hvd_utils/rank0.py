@@ -1,8 +1,6 @@
 """Files across ranks: rank 0 decides (reads a checkpoint, checks a directory), every rank receives the outcome."""
 import horovod.torch as hvd
 
-from hvd_utils.optim import default_layout
-
 
 def decide_on_root(fn, name):
     """fn() on rank 0, its result on every rank (file checks on a shared or a rank-0-only file system alike).
@@ -21,14 +19,6 @@ def decide_on_root(fn, name):
     if error is not None:
         raise error
     return result
-
-
-def broadcast_loaded(model, optimizer=None):
-    """Rank 0's weights (and optimizer state) to every rank, after rank 0 loaded them from a checkpoint."""
-    with default_layout(model, optimizer):  # Horovod takes channels-last weights in the default layout only
-        if optimizer is not None:
-            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
 
 def broadcast_module(module, root_rank=0):

@@ -26,7 +26,7 @@ class ElasticHooks(Hooks):
     `commit_every` steps and after each epoch; st.resets and st.redone count the resets and the steps they rolled
     back (in the state, so a worker that joins later reports the whole run's).
 
-    Tar shards (data/shards.py; sampler None) plan each epoch whole for a number of ranks: their hooks commit at
+    Tar shards (data/shard_index.py; sampler None) plan each epoch whole for a number of ranks: their hooks commit at
     epoch ends only, so a reset rolls the model back to the start of the epoch in progress, which is then read again
     from its beginning, planned for the new set of workers. The steps since that start are redone (counted), and no
     update from a sample of that epoch survives twice."""

@@ -290,7 +290,7 @@ def load_everywhere(path, model, expect, optimizer=None, ema=None):
     every rank gets its weights and optimizer state (and the weights' average, under --model-ema): the one loader of
     resuming, elastic and evaluation runs. Returns the checkpoint's other fields, the same on every rank."""
     meta = hvd_utils.decide_on_root(lambda: read_into(path, model, expect, optimizer, ema), "checkpoint")
-    hvd_utils.broadcast_loaded(model, optimizer)
+    hvd_utils.broadcast_state(model, optimizer)
     if ema is not None:
         hvd_utils.broadcast_module(ema)
     return meta

@@ -97,18 +97,23 @@ def kill_after_epoch_1(cluster, victim, killed):
     return on_line
 
 
+def run_losing_host(cluster, workers, victim, out):
+    """An elastic job with one worker on each of `workers`; `victim` dies early in epoch 2. The others finish."""
+    hosts = out.parent / "hosts.txt"
+    hosts.write_text("".join(f"{h.name}:1\n" for h in workers))
+    killed = []
+    job = elastic_job(cluster, hosts, out, np=len(workers))
+    output = follow(job, kill_after_epoch_1(cluster, victim, killed), out)
+    assert killed, output[-3000:]
+    return output, check_finished(job, output, out, world_size=len(workers) - 1)
+
+
 def test_a_host_that_dies_mid_epoch_leaves_the_other_to_finish(two_loopback_hosts, tmp_path):
     # Loopback-resolving hostnames too: elastic jobs always run over Gloo, which aborted on them before the patch.
     cluster, out = two_loopback_hosts, tmp_path / "run"
     a, b = cluster.hosts
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text(f"{a.name}:1\n{b.name}:1\n")
-    killed = []
-    job = elastic_job(cluster, hosts, out, np=2)
-    output = follow(job, kill_after_epoch_1(cluster, b, killed), out)
-    assert killed, output[-3000:]
+    output, summary = run_losing_host(cluster, [a, b], b, out)
     assert "workers changed: now 1" in output
-    summary = check_finished(job, output, out, world_size=1)
     assert summary["elastic"]["resets"] >= 1
 
 
@@ -116,13 +121,7 @@ def test_the_loss_of_the_host_of_rank_0_leaves_a_new_rank_0_writing(three_hosts,
     # The launcher's host runs no worker (a login node); rank 0 is on node-b, which dies.
     cluster, out = three_hosts, tmp_path / "run"
     _, b, c = cluster.hosts
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text(f"{b.name}:1\n{c.name}:1\n")
-    killed = []
-    job = elastic_job(cluster, hosts, out, np=2)
-    output = follow(job, kill_after_epoch_1(cluster, b, killed), out)
-    assert killed, output[-3000:]
-    check_finished(job, output, out, world_size=1)
+    run_losing_host(cluster, [b, c], b, out)
     # The new rank 0 wrote every epoch's checkpoint after the loss, and the summary.
     assert checkpoint.load(str(out / "checkpoints" / "last.pt"))["epoch"] == EPOCHS
     metrics = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -293,7 +293,7 @@ def test_a_refused_setting_under_horovodrun_is_one_line_and_the_ranks_exit_code(
 
 
 def test_a_shard_server_that_is_down_is_named(tmp_path, app):
-    from hvd_train.data.shards import FORMAT
+    from hvd_train.data.shard_index import FORMAT
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

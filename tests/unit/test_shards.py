@@ -14,7 +14,7 @@ import torch
 
 from conftest import BIN, QUIET, ROOT, TRAIN, assert_refused, job_env, launch, offline_shell, read_json, run_app
 from hvd_train.data import BadSampleError, DataError, LoaderSpec, build_loaders, check_world
-from hvd_train.data.shards import ShardSet, train_plan
+from hvd_train.data.shard_index import ShardSet, train_plan
 from formats import write_image_folder
 from hvd_train.config import DataConfig
 from hvd_train.datasets import build_datasets

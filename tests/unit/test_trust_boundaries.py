@@ -537,7 +537,7 @@ def test_settings_that_allocate_per_worker_have_an_upper_bound(flag, value, name
 
 def test_a_shard_index_with_an_absurd_count_or_size_is_refused(tmp_path):
     from hvd_train.data.errors import DataError
-    from hvd_train.data.shards import read_index
+    from hvd_train.data.shard_index import read_index
 
     index = {"format": "hvd-train shards", "version": 1, "facts": {"num_classes": 10}, "shards": {"a.tar": 10**12}}
     (tmp_path / "index.json").write_text(json.dumps(index))
