@@ -2,7 +2,8 @@
 
 app         the hvd-train commands, the checks before and after Horovod starts, the one error guard
 training    the steps of a run that train_hvd.py calls, shared by fixed and elastic runs
-build       the builders behind those steps: settings checks, data sets, model, task, optimizer
+build       the builders behind those steps: data sets, model, task, optimizer
+checks      the checks of the settings that need a factory or the machine, before Horovod starts
 engine      a step, an epoch, validation, and the one training loop (fit) that every mode drives through hooks
 schedule    the batch arithmetic (Batching) and the one learning-rate mechanism
 config/     the one typed configuration (defaults < YAML recipe < command line), each field with its flags

@@ -14,7 +14,7 @@ import torch
 
 import hvd_utils
 from hvd_train.guards import interrupt
-from hvd_train.build import check_choices
+from hvd_train.checks import check_choices
 from hvd_train.config import parse_config
 from hvd_train.data import BadSampleError, DataError
 from hvd_train.errors import CheckpointError, ConfigError, NonFiniteLossError, say

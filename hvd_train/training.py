@@ -13,8 +13,9 @@ import torch
 
 import hvd_utils
 from hvd_train.guards import interrupt, watchdog
-from hvd_train.build import (attach_profiler, build_model_for, build_optimizer, build_task, check_shards,
-                             load_initial_weights, loader_spec, materialise_lazy, prepare_data)
+from hvd_train.build import (attach_profiler, build_model_for, build_optimizer, build_task, load_initial_weights,
+                             loader_spec, materialise_lazy, prepare_data)
+from hvd_train.checks import check_shards
 from hvd_train.data import DataInfo, LoaderSpec, build_loaders, check_world, is_streamed
 from hvd_train.engine import Hooks, StepOptions, Trainer
 from hvd_train import engine

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hvd_train.run import checkpoint
-from hvd_train.build import check_shards
+from hvd_train.checks import check_shards
 from hvd_train.errors import ConfigError
 from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, job_env, launch, launch_command,
                       read_json, run_app, wait_for)
