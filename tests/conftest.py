@@ -168,6 +168,28 @@ def app(monkeypatch, capfd):
     return run
 
 
+def train_here(app, run, *args):
+    """A run of one rank inside the test process (the app fixture), TensorBoard on, that must succeed."""
+    result = app("--output-dir", run, "--logging.tensorboard=true", *args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def epochs_in(run):
+    """The epochs a run's metrics.jsonl records, in order."""
+    with open(run / "metrics.jsonl") as f:
+        return [json.loads(line)["epoch"] for line in f]
+
+
+def tensorboard_steps(run, tag="val/loss"):
+    """The steps TensorBoard shows for `tag` (events hidden by a later purge_step are left out, as TensorBoard does)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"), purge_orphaned_data=True)
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
 def wait_for(condition, what, seconds=300):
     """Poll condition() until it is true. `seconds` caps a wait for something that never happens; it is not a guess
     at how long it takes. `what` names it in the failure (a callable: built then, e.g. from the last attempt)."""

@@ -71,14 +71,13 @@ class RunDir:
         without losing an earlier run; returns the checkpoint to resume from, or None for a fresh start. A
         directory holding a run is continued (--resume), replaced (--overwrite), or refused with the choices named;
         a refused run leaves the lock and a directory it made behind it as they were."""
-        existed = os.path.isdir(self.root)
+        made = missing_parents(self.root)  # the lock makes them: a refused run removes them again
         self.lock.acquire()
         try:
             return self._decide(resume, overwrite)
         except CheckpointError:
             self.lock.release()
-            if not existed and not os.listdir(self.root):
-                os.rmdir(self.root)
+            remove_empty(made)
             raise
 
     def _decide(self, resume, overwrite):
@@ -157,11 +156,7 @@ def check_writable(root, tidy=True):
         raise CheckpointError(f"--output-dir {root}: cannot write there ({e.strerror or e}); choose a directory "
                               f"this user can create and write") from None
     finally:
-        for directory in made:  # deepest first; each is empty again unless another process wrote there meanwhile
-            try:
-                os.rmdir(directory)
-            except OSError:
-                break
+        remove_empty(made)
 
 
 def missing_parents(path):
@@ -172,6 +167,16 @@ def missing_parents(path):
         missing.append(path)
         path = os.path.dirname(path)
     return missing
+
+
+def remove_empty(made):
+    """Remove directories this run made (deepest first), each only if empty: another process may have written there
+    meanwhile."""
+    for directory in made:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            break
 
 
 PRIVATE = 0o027  # no write for the group, nothing for others: run files 0640, directories 0750

@@ -1,7 +1,7 @@
 """train_hvd.py as users launch it: 2 ranks under horovodrun (Gloo and MPI) and mpirun, and one plain process."""
 import pytest
 
-from conftest import TRAIN, assert_refused, launch, read_json, run_app
+from conftest import TRAIN, launch, read_json
 
 
 LAUNCHERS = ("horovodrun-gloo", "horovodrun-mpi", "mpirun")
@@ -58,27 +58,3 @@ def test_same_seed_gives_the_same_result_under_gloo_and_mpi(default_runs):
     for other in results[1:]:
         assert other["params_fingerprints"] == results[0]["params_fingerprints"]
         assert [h["val_loss"] for h in other["history"]] == [h["val_loss"] for h in results[0]["history"]]
-
-
-BAD_SETTINGS = [
-    (["--epochs", "0"], "optim.epochs (--epochs)=0"),
-    (["--batch-size", "-4"], "optim.batch_size (--batch-size)=-4"),
-    (["--lr", "0"], "optim.lr (--lr)=0"),
-    (["--model", "resnet9000"], "--model='resnet9000' is not known"),
-    (["--epochs", "three"], "invalid int value: 'three'"),
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-]
-
-
-@pytest.mark.parametrize("args,message", BAD_SETTINGS)
-def test_bad_settings_stop_with_one_message_and_write_nothing(tmp_path, app, args, message):
-    assert_refused(app("--output-dir", tmp_path / "run", *args), message)
-    assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.distributed
-def test_a_bad_setting_stops_both_ranks_under_mpirun_with_one_message(tmp_path):
-    # Every rank parses the same command line and fails the same way; rank 0 alone says so.
-    proc = run_app("mpirun", 2, "--output-dir", tmp_path / "run", "--epochs", "three", check=False)
-    assert_refused(proc, "invalid int value: 'three'")
-    assert not (tmp_path / "run").exists()

@@ -176,43 +176,6 @@ def test_an_earlier_run_is_never_clobbered_by_accident(tmp_path, app):
         "best.pt", "epoch_0001.pt", "epoch_0002.pt", "last.pt"]
 
 
-def test_resume_auto_starts_afresh_where_there_is_nothing_to_resume(tmp_path, app):
-    result = app("--output-dir", tmp_path, "--epochs", "1", "--resume", "auto")
-    assert result.returncode == 0 and "no checkpoint in" in result.stdout and (tmp_path / "summary.json").exists()
-
-
-def test_a_checkpoint_of_another_model_is_refused_with_the_mismatch_named(tmp_path, app):
-    assert app("--output-dir", tmp_path / "a", "--epochs", "1").returncode == 0
-    assert_refused(app("--output-dir", tmp_path / "b", "--model", "resnet18", "--resume",
-                       tmp_path / "a" / "checkpoints" / "last.pt"),
-                   "model_name='small_cnn', this run has model_name='resnet18'")
-
-
-def test_a_corrupt_checkpoint_is_named(tmp_path, app):
-    bad = tmp_path / "bad.pt"
-    bad.write_bytes(b"PK\x03\x04 definitely not a zip")
-    assert_refused(app("--output-dir", tmp_path / "out", "--resume", bad), f"{bad}: not a checkpoint, or one cut short")
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--device", "cuda"], "--device cuda: no GPU is visible"),
-    (["--resume", "auto", "--overwrite"], "contradicts --resume"),
-    (["--dataset", "imagenet"], "--dataset='imagenet' is not known"),
-    (["--config", "RECIPE"], "unknown key optim.learning_rate; optim has: optimizer, epochs"),
-    (["--dataset", "imagefolder", "--data-dir", "EMPTY"], "class folder(s) cat hold no image files"),
-    (["--dataset", "cifar100", "--data-dir", "EMPTY"], "CIFAR-100 not found in EMPTY: it holds cat/. Accepted"),
-    (["--batch-size", "2000"], "each of the 1 ranks holds only 1438 of the 1438 training samples"),
-])
-def test_bad_input_stops_with_one_message(tmp_path, app, args, message):
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("optim:\n  learning_rate: 0.1\n")
-    (tmp_path / "empty" / "cat").mkdir(parents=True)
-    args = [{"RECIPE": str(recipe), "EMPTY": str(tmp_path / "empty")}.get(a, a) for a in args]
-    message = message.replace("EMPTY", str(tmp_path / "empty"))
-    assert_refused(app("--output-dir", tmp_path / "out" / "run", *args), message)
-    assert not (tmp_path / "out").exists(), "a run refused before its first epoch left a new output folder behind"
-
-
 @pytest.mark.distributed
 def test_download_without_network_is_one_line_naming_the_url_and_the_way_by_hand(tmp_path):
     # Two ranks on one host: local rank 0 downloads, and both stop with its error; rank 0 alone prints it.

@@ -1,94 +1,22 @@
-"""Runs that never lie: resumes that refuse what they cannot continue and record where they continued, a full disk
-that stops every rank with one message and leaves one record per epoch, interruptions (Ctrl-C, SIGTERM) that say
-where the run stopped, bad paths refused before anything is built, and Horovod's autotuner left free to tune."""
-import json
+"""Runs that never lie: a full disk that stops every rank with one message and leaves one record per epoch,
+interruptions (Ctrl-C, SIGTERM) that say where the run stopped, bad paths refused before anything is built, and
+Horovod's autotuner left free to tune. (Resumes that refuse what they cannot continue: test_resume.py.)"""
 import os
 import re
 import signal
 import subprocess
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hvd_train.run import checkpoint
-from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, job_env, launch_command, read_json,
-                      run_app, wait_for)
+from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, epochs_in, job_env, launch_command,
+                      read_json, run_app, tensorboard_steps, train_here, wait_for)
 
 TENSORBOARD = "--logging.tensorboard=true"  # these tests read the events back
 
 
 def train(launcher, np, run, *args, check=True, env=None):
     return run_app(launcher, np, "--output-dir", run, TENSORBOARD, *args, check=check, env=env)
-
-
-def train_here(app, run, *args):
-    """One rank inside the test process (conftest's app): for what needs no second rank."""
-    result = app("--output-dir", run, TENSORBOARD, *args)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
-def epochs_in(run):
-    with open(run / "metrics.jsonl") as f:
-        return [json.loads(line)["epoch"] for line in f]
-
-
-def tensorboard_steps(run, tag="val/loss"):
-    """The steps TensorBoard shows for `tag` (events hidden by a later purge_step are left out, as TensorBoard does)."""
-    acc = EventAccumulator(str(run / "tensorboard"), purge_orphaned_data=True)
-    acc.Reload()
-    return [e.step for e in acc.Scalars(tag)]
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Resumes
-
-
-def test_resuming_a_finished_run_refuses_and_writes_nothing(tmp_path, app):
-    train_here(app, tmp_path, "--epochs", 2)
-    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
-    result = app("--output-dir", tmp_path, "--epochs", 2, "--resume", "auto")
-    assert_refused(result, "nothing to train", "the checkpoint is at epoch 2 and --epochs is 2", "--evaluate --resume")
-    assert "done:" not in result.stdout
-    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing rewritten
-
-
-@pytest.mark.parametrize("flag,value,setting", [
-    ("--dataset", "synthetic", "in_channels=1"),  # digits are 1-channel 8x8 images; synthetic ones 3-channel
-    ("--image-size", "16", "image_size=8"),
-    ("--optimizer", "adam", "optimizer_name='sgd'"),
-])
-def test_a_checkpoint_of_another_data_set_image_size_or_optimizer_is_refused_naming_the_setting(tmp_path, app, flag,
-                                                                                                value, setting):
-    train_here(app, tmp_path, "--epochs", 1)
-    result = app("--output-dir", tmp_path, "--epochs", 3, "--resume", "auto", flag, value)
-    assert_refused(result, "checkpoints/last.pt was written with " + setting, "this run has")
-    assert epochs_in(tmp_path) == [1]
-
-
-def test_a_file_that_is_not_a_checkpoint_is_refused_without_torch_s_advice(tmp_path, app):
-    foreign = tmp_path / "foreign.pt"
-    foreign.write_bytes(b"PK\x03\x04 a zip header and nothing else")
-    result = app("--output-dir", tmp_path / "run", "--resume", foreign)
-    line = assert_refused(result, str(foreign), "not a checkpoint")
-    assert "weights_only" not in result.stdout + result.stderr and "cut short" in line
-
-
-@pytest.mark.distributed
-def test_a_resumed_run_records_its_resume_points_and_whole_run_totals(tmp_path):
-    train("horovodrun-gloo", 2, tmp_path, "--epochs", 2)
-    train("horovodrun-gloo", 2, tmp_path, "--epochs", 3, "--resume", "auto")
-    train("horovodrun-gloo", 2, tmp_path, "--epochs", 5, "--resume", "auto")
-    summary = read_json(tmp_path / "summary.json")
-    assert [(r["epoch"], r["world_size"]) for r in summary["resumes"]] == [(2, 2), (3, 2)]
-    history = summary["history"]
-    assert [r["epoch"] for r in history] == epochs_in(tmp_path) == [1, 2, 3, 4, 5]
-    # Times add up over the parts: the history's clock never restarts, and the run took longer than its last part.
-    walls = [r["wall_seconds"] for r in history]
-    assert walls == sorted(walls) and summary["wall_seconds"] > summary["process_wall_seconds"] > 0
-    assert summary["wall_seconds"] >= walls[-1]
-    rate = sum(r["train_count"] for r in history) / sum(r["epoch_seconds"] for r in history)
-    assert summary["train_samples_per_sec"] == pytest.approx(rate)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -136,17 +64,6 @@ def test_a_full_disk_stops_every_rank_with_one_message_and_resuming_keeps_one_re
     train("horovodrun-gloo", 2, run, "--epochs", 6, "--resume", "auto")
     assert epochs_in(run) == [1, 2, 3, 4, 5, 6]
     assert tensorboard_steps(run) == [1, 2, 3, 4, 5, 6]
-
-
-def test_records_after_the_last_checkpoint_are_dropped_on_resume(tmp_path, app):
-    # Checkpoints every 2 epochs: epoch 3's record is written, the run is interrupted before epoch 4's checkpoint.
-    train_here(app, tmp_path, "--epochs", 3, "--checkpoint.every_epochs", 2)
-    (tmp_path / "checkpoints" / "last.pt").unlink()
-    os.link(tmp_path / "checkpoints" / "epoch_0002.pt", tmp_path / "checkpoints" / "last.pt")
-    assert epochs_in(tmp_path) == [1, 2, 3]
-    train_here(app, tmp_path, "--epochs", 4, "--resume", "auto")
-    assert epochs_in(tmp_path) == [1, 2, 3, 4]
-    assert tensorboard_steps(tmp_path) == [1, 2, 3, 4]
 
 
 # --------------------------------------------------------------------------------------------------------------------

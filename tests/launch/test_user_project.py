@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BIN, QUIET, ROOT, assert_refused, launch, read_json, run_app
+from conftest import BIN, QUIET, ROOT, launch, read_json
 from formats import write_image_folder
 
 from hvd_train.config import parse_config
-from hvd_train.errors import ConfigError
 
 EXAMPLES = ROOT / "examples"
 SHAPES = EXAMPLES / "shapes_segmentation"
@@ -155,25 +154,7 @@ def test_an_image_of_unknown_range_is_refused_by_name(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Settings that do not apply or cannot be reached are refused; harmless ones are said
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--data.train_shards", "s/train-{000000..000009}.tar"],
-     "--data.train_shards='s/train-{000000..000009}.tar' does not apply to --dataset digits"),
-    (["--data.skip_bad_files"], "--data.skip_bad_files=True does not apply to --dataset digits"),
-    (["--data.synthetic_samples", "64", "--dataset", "mnist"], "does not apply to --dataset mnist"),
-    (["--stop-at", "150"], "--stop-at)=150: val_acc1 is a percentage, so it can never reach 150"),
-])
-def test_a_setting_that_cannot_apply_is_refused_in_one_line(tmp_path, app, args, message):
-    result = app("--output-dir", tmp_path / "out", *args)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
-    assert not (tmp_path / "out").exists()
-
-
-def test_a_warmup_longer_than_training_is_refused():
-    with pytest.raises(ConfigError, match=r"must be shorter than the 2 epoch\(s\) of training"):
-        parse_config(["--warmup-epochs", "5", "--epochs", "2"])
+# What the data holds is said (bad settings: test_bad_settings.py)
 
 
 def test_top5_is_reported_only_with_more_than_five_classes_and_a_lonely_class_is_named(tmp_path, app):
@@ -282,14 +263,7 @@ def test_freeze_also_freezes_the_running_statistics_of_frozen_batch_norm(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Launcher noise
-
-
-@pytest.mark.distributed
-def test_a_refused_setting_under_horovodrun_is_one_line_and_the_ranks_exit_code(tmp_path):
-    proc = run_app("horovodrun-gloo", 2, "--output-dir", tmp_path / "out", "--warmup-epochs", "20", check=False)
-    assert_refused(proc, "optim.warmup_epochs (--warmup-epochs)=20.0: must be shorter than the 15 epoch(s)")
-    assert "horovodrun: rank" in proc.stderr and "exited with status 2" in proc.stderr
+# A shard server that is down
 
 
 def test_a_shard_server_that_is_down_is_named(tmp_path, app):

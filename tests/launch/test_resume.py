@@ -1,0 +1,130 @@
+"""Resuming: a resumed run ends bitwise where an uninterrupted one does, says what changes when the ranks do, records
+where it continued, drops records the checkpoint does not cover, and refuses a checkpoint it cannot continue (another
+model, data set, image size or optimizer; a finished run; a file that is not a checkpoint) with the setting named.
+Resumes of one feature (shards, plug-ins, tracking, compile, channels-last, SLURM's requeue) sit with that feature."""
+import os
+
+import pytest
+import torch
+
+from conftest import QUIET, TRAIN, assert_refused, epochs_in, launch, read_json, run_app, tensorboard_steps, train_here
+
+
+def last_checkpoint(out):
+    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+
+
+@pytest.mark.distributed
+def test_resuming_is_bitwise_exact(tmp_path):
+    # Warmup, then a step decay at epoch 3, momentum and dropout: every piece of state matters. So do the seeded
+    # draws of augmentation (RandAugment, erasing) in loader workers, of mixup/CutMix, and the weight average.
+    common = ["--lr-schedule", "step", "--optim.lr_milestones", "3", "--warmup-epochs", "1", "--model-ema",
+              "--model-ema-warmup", "--mixup", "0.4", "--cutmix", "1.0", "--aa", "rand-m7-mstd0.5", "--reprob", "0.3",
+              "--workers", "2", *QUIET]
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "straight", "--epochs", "4", *common)
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "2", *common)
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "4", "--resume", "auto",
+                  *common)
+    assert "resuming after epoch 2" in proc.stdout
+    straight, resumed = last_checkpoint(tmp_path / "straight"), last_checkpoint(tmp_path / "resumed")
+    assert straight["epoch"] == resumed["epoch"] == 4
+    for part in ("model", "ema"):
+        for name, value in straight[part].items():
+            assert torch.equal(value, resumed[part][name]), f"{part}.{name} differs after resuming"
+    for key, state in straight["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"], resumed["optimizer"]["state"][key]["momentum_buffer"])
+    # The schedule's position: the rate follows from the steps done (hvd_train/schedule.py).
+    assert straight["step"] == resumed["step"]
+    assert straight["optimizer"]["param_groups"][0]["lr"] == resumed["optimizer"]["param_groups"][0]["lr"]
+    history = read_json(tmp_path / "resumed" / "summary.json")["history"]
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4]
+    for key in ("val_loss", "val_ema_loss"):
+        assert [h[key] for h in history] == \
+            [h[key] for h in read_json(tmp_path / "straight" / "summary.json")["history"]]
+
+
+@pytest.mark.distributed
+def test_resuming_on_another_number_of_ranks_says_what_changes(tmp_path):
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "out", "--epochs", "2", *QUIET)
+    proc = launch("single", 1, TRAIN, "--output-dir", tmp_path / "out", "--epochs", "3", "--resume", "auto", *QUIET)
+    assert ("resuming on 1 rank(s) a run checkpointed on 2: learning rate 0.05 -> 0.025, global batch 64 -> 32 "
+            "(both follow the ranks); the schedule goes on by epochs from epoch 3/3, now of 44 steps") in proc.stdout
+    summary = read_json(tmp_path / "out" / "summary.json")
+    assert summary["world_size"] == 1
+    assert [(r["previous_world_size"], r["world_size"], r["epoch"]) for r in summary["resumes"]] == [(2, 1, 2)]
+
+
+def test_resuming_a_finished_run_refuses_and_writes_nothing(tmp_path, app):
+    train_here(app, tmp_path, "--epochs", 2)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    result = app("--output-dir", tmp_path, "--epochs", 2, "--resume", "auto")
+    assert_refused(result, "nothing to train", "the checkpoint is at epoch 2 and --epochs is 2", "--evaluate --resume")
+    assert "done:" not in result.stdout
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing rewritten
+
+
+@pytest.mark.parametrize("flag,value,setting", [
+    ("--dataset", "synthetic", "in_channels=1"),  # digits are 1-channel 8x8 images; synthetic ones 3-channel
+    ("--image-size", "16", "image_size=8"),
+    ("--optimizer", "adam", "optimizer_name='sgd'"),
+])
+def test_a_checkpoint_of_another_data_set_image_size_or_optimizer_is_refused_naming_the_setting(tmp_path, app, flag,
+                                                                                                value, setting):
+    train_here(app, tmp_path, "--epochs", 1)
+    result = app("--output-dir", tmp_path, "--epochs", 3, "--resume", "auto", flag, value)
+    assert_refused(result, "checkpoints/last.pt was written with " + setting, "this run has")
+    assert epochs_in(tmp_path) == [1]
+
+
+def test_a_file_that_is_not_a_checkpoint_is_refused_without_torch_s_advice(tmp_path, app):
+    foreign = tmp_path / "foreign.pt"
+    foreign.write_bytes(b"PK\x03\x04 a zip header and nothing else")
+    result = app("--output-dir", tmp_path / "run", "--resume", foreign)
+    line = assert_refused(result, str(foreign), "not a checkpoint")
+    assert "weights_only" not in result.stdout + result.stderr and "cut short" in line
+
+
+@pytest.mark.distributed
+def test_a_resumed_run_records_its_resume_points_and_whole_run_totals(tmp_path):
+    run_app("horovodrun-gloo", 2, "--output-dir", tmp_path, "--epochs", 2)
+    run_app("horovodrun-gloo", 2, "--output-dir", tmp_path, "--epochs", 3, "--resume", "auto")
+    run_app("horovodrun-gloo", 2, "--output-dir", tmp_path, "--epochs", 5, "--resume", "auto")
+    summary = read_json(tmp_path / "summary.json")
+    assert [(r["epoch"], r["world_size"]) for r in summary["resumes"]] == [(2, 2), (3, 2)]
+    history = summary["history"]
+    assert [r["epoch"] for r in history] == epochs_in(tmp_path) == [1, 2, 3, 4, 5]
+    # Times add up over the parts: the history's clock never restarts, and the run took longer than its last part.
+    walls = [r["wall_seconds"] for r in history]
+    assert walls == sorted(walls) and summary["wall_seconds"] > summary["process_wall_seconds"] > 0
+    assert summary["wall_seconds"] >= walls[-1]
+    rate = sum(r["train_count"] for r in history) / sum(r["epoch_seconds"] for r in history)
+    assert summary["train_samples_per_sec"] == pytest.approx(rate)
+
+
+def test_records_after_the_last_checkpoint_are_dropped_on_resume(tmp_path, app):
+    # Checkpoints every 2 epochs: epoch 3's record is written, the run is interrupted before epoch 4's checkpoint.
+    train_here(app, tmp_path, "--epochs", 3, "--checkpoint.every_epochs", 2)
+    (tmp_path / "checkpoints" / "last.pt").unlink()
+    os.link(tmp_path / "checkpoints" / "epoch_0002.pt", tmp_path / "checkpoints" / "last.pt")
+    assert epochs_in(tmp_path) == [1, 2, 3]
+    train_here(app, tmp_path, "--epochs", 4, "--resume", "auto")
+    assert epochs_in(tmp_path) == [1, 2, 3, 4]
+    assert tensorboard_steps(tmp_path) == [1, 2, 3, 4]
+
+
+def test_resume_auto_starts_afresh_where_there_is_nothing_to_resume(tmp_path, app):
+    result = app("--output-dir", tmp_path, "--epochs", "1", "--resume", "auto")
+    assert result.returncode == 0 and "no checkpoint in" in result.stdout and (tmp_path / "summary.json").exists()
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_the_mismatch_named(tmp_path, app):
+    assert app("--output-dir", tmp_path / "a", "--epochs", "1").returncode == 0
+    assert_refused(app("--output-dir", tmp_path / "b", "--model", "resnet18", "--resume",
+                       tmp_path / "a" / "checkpoints" / "last.pt"),
+                   "model_name='small_cnn', this run has model_name='resnet18'")
+
+
+def test_a_corrupt_checkpoint_is_named(tmp_path, app):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"PK\x03\x04 definitely not a zip")
+    assert_refused(app("--output-dir", tmp_path / "out", "--resume", bad), f"{bad}: not a checkpoint, or one cut short")
