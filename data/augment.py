@@ -243,7 +243,9 @@ class SeededSamples(Dataset):
 
 
 def seed_all(seed):
-    """Seed torch's, Python's and NumPy's generators (NumPy's takes 32 bits) from one seed."""
-    torch.manual_seed(seed)
+    """Seed torch's CPU generator, Python's and NumPy's (NumPy's takes 32 bits) from one seed: the generators the
+    transforms draw from. Not torch.manual_seed, which also queues a seed for every GPU, with a traceback of the
+    call, until CUDA starts: a millisecond a sample, most of the time of a small image's transforms."""
+    torch.default_generator.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)

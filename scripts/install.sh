@@ -141,6 +141,9 @@ optional_tool "ssh and sshd" 'command -v ssh >/dev/null 2>&1 && [ -x /usr/sbin/s
 # curl: webdataset reads tar shards from http(s):// URLs with it (--dataset shards).
 optional_tool curl 'command -v curl >/dev/null 2>&1' "apt-get install -y --no-install-recommends curl ca-certificates" \
     "shards from local disks and pipe: commands work; http(s):// shards need it"
+# ccache: the builds of one machine (CPU, NCCL, against another torch) share compiled Gloo and Horovod objects.
+optional_tool ccache 'command -v ccache >/dev/null 2>&1' "apt-get install -y --no-install-recommends ccache" \
+    "each Horovod build compiles everything"
 if [ "$MPI" = 0 ]; then
     echo "skipped (--no-mpi): Horovod is built with the Gloo controller alone; launch with horovodrun --gloo"
 elif command -v mpirun >/dev/null 2>&1 && command -v mpicxx >/dev/null 2>&1; then
