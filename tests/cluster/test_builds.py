@@ -37,8 +37,8 @@ def check_build_lists(report, *names):
 
 
 def train_digits(launcher_cmd, out_dir, env):
-    """The default digits run (15 epochs); returns its summary (the app itself checks the ranks end identical)."""
-    run(launcher_cmd + ["train_hvd.py", "--output-dir", out_dir, "--logging.tensorboard=false",
+    """The default digits run, cut to 3 epochs; returns its summary (the app itself checks the ranks end identical)."""
+    run(launcher_cmd + ["train_hvd.py", "--output-dir", out_dir, "--epochs", "3", "--logging.tensorboard=false",
                         "--logging.plot=false"], env=env)
     return json.loads((Path(out_dir) / "summary.json").read_text())
 
@@ -72,13 +72,21 @@ def test_nccl_build_from_pypi_toolchain_lists_nccl_and_covers_turing_to_blackwel
     assert f"sm_{info['archs'][-1]}.ptx" in run([cuobjdump, "--list-ptx", library]).stdout
 
 
-@pytest.mark.parametrize("controller", ["--mpi", "--gloo"])
-def test_nccl_build_trains_the_digits_on_cpus(nccl_build, tmp_path, controller):
+def test_nccl_build_trains_on_cpus_exactly_as_the_cpu_build(nccl_build, tmp_path):
+    # On CPU tensors the NCCL build runs the CPU build's operations: the same losses, bit for bit, under either
+    # controller (the venv's own CPU build under Gloo is the reference).
     _, env, _ = nccl_build
-    horovodrun = [Path(sys.executable).parent / "horovodrun", "-np", "2", "-H", "localhost:2", controller,
-                  sys.executable]
-    summary = train_digits(horovodrun, tmp_path / "run", env)
-    assert summary["world_size"] == 2 and summary["params_in_sync"] and summary["final_val_acc1"] >= 97.0, summary
+    runs = [("cpu build", "--gloo", job_env()), ("nccl build", "--gloo", env), ("nccl build", "--mpi", env)]
+    losses = {}
+    for build, controller, run_env in runs:
+        horovodrun = [Path(sys.executable).parent / "horovodrun", "-np", "2", "-H", "localhost:2", controller,
+                      sys.executable]
+        summary = train_digits(horovodrun, tmp_path / f"{build}{controller}", run_env)
+        assert summary["world_size"] == 2 and summary["params_in_sync"], summary
+        losses[build, controller] = [h["val_loss"] for h in summary["history"]]
+    reference = losses["cpu build", "--gloo"]
+    assert len(reference) == 3 and reference[-1] < reference[0], losses  # it learns
+    assert all(value == reference for value in losses.values()), losses
 
 
 TORCH_213 = "torch==2.13.0"
@@ -126,4 +134,4 @@ def test_offline_build_against_an_installed_torch_2_13_then_a_2_rank_job(torch_2
 
     horovodrun = [py.parent / "horovodrun", "-np", "2", "-H", "localhost:2", py]
     summary = train_digits(horovodrun, tmp_path / "run", env)
-    assert summary["world_size"] == 2 and summary["params_in_sync"] and summary["final_val_acc1"] >= 97.0, summary
+    assert summary["world_size"] == 2 and summary["params_in_sync"] and summary["final_val_acc1"] >= 50.0, summary
