@@ -5,6 +5,7 @@ training    the steps of a run that train_hvd.py calls, shared by fixed and elas
 build       the builders behind those steps: data sets, model, task, optimizer
 checks      the checks of the settings that need a factory or the machine, before Horovod starts
 engine      a step, an epoch, validation, and the one training loop (fit) that every mode drives through hooks
+batches     a batch on its device, the mixed-precision context, the cut for gradient accumulation
 schedule    the batch arithmetic (Batching) and the one learning-rate mechanism
 config/     the one typed configuration (defaults < YAML recipe < command line), each field with its flags
 run/        the output directory and everything written into it: checkpoints, the run's state, reports, trackers

@@ -11,7 +11,7 @@ import hvd_utils
 from hvd_train.data import LoaderSpec
 from hvd_train import tasks
 from hvd_train.datasets import build_datasets, dataset_factory
-from hvd_train.engine import to_device
+from hvd_train.batches import to_device
 from hvd_train.config import OPTIMIZERS
 from hvd_train.errors import ConfigError
 from hvd_train.plugins import call, is_import_path, resolve, takes

@@ -19,7 +19,8 @@ from hvd_train.data import DataInfo, is_streamed, native_size
 from hvd_train import training
 from hvd_train.build import attach_profiler, prepare_data
 from hvd_train.schedule import batching
-from hvd_train.engine import Hooks, to_device, train_one_epoch
+from hvd_train.batches import to_device
+from hvd_train.engine import Hooks, train_one_epoch
 from hvd_train.errors import ConfigError, NonFiniteLossError
 from hvd_train.plugins import is_import_path
 from hvd_train.tasks import samples_in
