@@ -175,6 +175,13 @@ def train_here(app, run, *args):
     return result
 
 
+def last_checkpoint(run):
+    """The newest checkpoint of run directory `run`, as torch loads it safely."""
+    import torch
+
+    return torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+
+
 def epochs_in(run):
     """The epochs a run's metrics.jsonl records, in order."""
     with open(run / "metrics.jsonl") as f:

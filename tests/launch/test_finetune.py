@@ -3,14 +3,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import assert_refused, read_json, run_app
+from conftest import assert_refused, last_checkpoint, read_json, run_app
 from hvd_train.models import build_model
 
 DIGITS_CNN = ["--model", "small_cnn", "--batch-size", "16"]
-
-
-def checkpoint(out):
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
 
 
 @pytest.mark.distributed
@@ -20,12 +16,12 @@ def test_a_torchvision_model_is_fine_tuned_on_two_ranks_with_a_new_head_and_a_fr
     data = ["--model", "resnet18", "--dataset", "synthetic", "--image-size", "32", "--data.synthetic_samples", "64",
             "--batch-size", "8", "--epochs", "1"]
     run_app("single", 1, "--output-dir", tmp_path / "first", *data)
-    first = checkpoint(tmp_path / "first")["model"]
+    first = last_checkpoint(tmp_path / "first")["model"]
     proc = run_app("horovodrun-gloo", 2, "--output-dir", tmp_path / "tuned", *data, "--data.synthetic_classes", "4",
                    "--init-from", tmp_path / "first" / "checkpoints" / "last.pt", "--freeze", "conv1.*,bn1.*")
     assert "re-initialised" in proc.stdout and "fc.weight [10, 512] -> [4, 512]" in proc.stdout, proc.stdout
     assert "--freeze conv1.*,bn1.*: 3 tensor(s)" in proc.stdout, proc.stdout
-    tuned = checkpoint(tmp_path / "tuned")["model"]
+    tuned = last_checkpoint(tmp_path / "tuned")["model"]
     assert tuned["fc.weight"].shape == (4, 512)
     for stem in ("conv1.weight", "bn1.weight", "bn1.bias"):
         assert torch.equal(tuned[stem], first[stem]), f"{stem} moved while frozen"
@@ -45,7 +41,7 @@ def test_safetensors_and_plain_state_dicts_load_with_a_report(tmp_path, app):
                      "--freeze", "features.*")
         assert result.returncode == 0, result.stdout + result.stderr
         assert f"loaded {len(source)} of the model's {len(source)} tensors" in result.stdout, result.stdout
-        tuned = checkpoint(out)["model"]
+        tuned = last_checkpoint(out)["model"]
         frozen = [k for k in source if k.startswith("features.")]
         assert frozen and all(torch.equal(tuned[k], source[k]) for k in frozen)
         assert not torch.equal(tuned["head.4.weight"], source["head.4.weight"])  # loaded, then trained

@@ -7,11 +7,8 @@ import os
 import pytest
 import torch
 
-from conftest import QUIET, TRAIN, assert_refused, epochs_in, launch, read_json, run_app, tensorboard_steps, train_here
-
-
-def last_checkpoint(out):
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+from conftest import (QUIET, TRAIN, assert_refused, epochs_in, last_checkpoint, launch, read_json, run_app,
+                      tensorboard_steps, train_here)
 
 
 @pytest.mark.distributed

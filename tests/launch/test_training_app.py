@@ -7,13 +7,9 @@ import subprocess
 import pytest
 import torch
 
-from conftest import QUIET, ROOT, TRAIN, job_env, launch, launch_command, read_json
+from conftest import QUIET, ROOT, TRAIN, job_env, last_checkpoint, launch, launch_command, read_json
 from formats import (write_cifar10, write_cifar100_binary, write_cifar_python, write_desktop_litter,
                      write_image_folder, write_mnist, write_stl10)
-
-
-def last_checkpoint(out):
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
 
 
 @pytest.mark.distributed
