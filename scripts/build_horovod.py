@@ -239,6 +239,21 @@ def patches(cxx_standard):
          "        os.execve('/bin/sh', ['/bin/sh', '-c', 'exec ' + mpirun_command], env)",
          "under horovodrun --mpi, kill -INT or kill -TERM of horovodrun's pid reached only a /bin/sh wrapper, and "
          "training went on"),
+        ("horovod/common/group_table.h",
+         "#include <mutex>\n#include <queue>\n",
+         "#include <mutex>\n#include <queue>\n#include <string>  // hvd-train: GCC 13's headers no longer bring it\n",
+         "std::string was used without <string>, which GCC 13's libstdc++ no longer includes from other headers "
+         "(Ubuntu 24.04, the CUDA images)"),
+        ("horovod/common/common.h",
+         "#include <memory>\n#include <string>\n",
+         "#include <memory>\n#include <stdexcept>  // hvd-train: std::logic_error; GCC 13 no longer brings it\n"
+         "#include <string>\n",
+         "the same: std::logic_error without <stdexcept>"),
+        ("setup.py",
+         "if not os.environ.get('HOROVOD_WITHOUT_PYTORCH'):\n    require_list.append('cffi>=1.4.0')\n",
+         "# hvd-train: cffi served torch.utils.ffi, gone since torch 1.0; nothing in Horovod imports it.\n",
+         "cffi, a leftover of torch < 1.0 that no Horovod module imports, was required to build: an offline build "
+         "in an environment without it (a GPU image) failed trying to download it"),
         ("horovod/runner/launch.py",
          "    _run(args)\n\n\nif __name__ == '__main__':\n",
          "    # hvd-train: a job ended because a rank exited non-zero is one line with that rank's exit code: the\n"
@@ -531,6 +546,21 @@ def compiler_cache(work_dir):
             "CCACHE_MAXSIZE": os.environ.get("CCACHE_MAXSIZE", "2G")}
 
 
+def newer_libstdcxx_flags(env):
+    """GCC 13's libstdc++ stopped including <string>, <stdexcept> and <cstdint> from its other headers; the patches
+    add the includes Horovod's own files lack, and for its third-party sources (gloo, ...) these headers are
+    included first in every C++ file. Nothing where the compiler is older or not GCC."""
+    cxx = env.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        return {}
+    out = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout.strip()
+    major = out.split(".")[0]
+    if not major.isdigit() or int(major) < 13 or "clang" in Path(cxx).name:
+        return {}
+    flags = " ".join(f"-include {h}" for h in ("cstdint", "string", "stdexcept"))
+    return {"CXXFLAGS": f"{env.get('CXXFLAGS', '')} {flags}".strip()}
+
+
 def build_env(plan, work_dir):
     env = dict(os.environ)
     env.update({
@@ -543,6 +573,7 @@ def build_env(plan, work_dir):
         "MAKEFLAGS": f"-j{os.cpu_count() or 1}",
     })
     env.update(compiler_cache(work_dir))
+    env.update(newer_libstdcxx_flags(env))
     env.pop("HOROVOD_WITH_MPI" if not plan.mpi else "HOROVOD_WITHOUT_MPI", None)
     env["HOROVOD_WITH_MPI" if plan.mpi else "HOROVOD_WITHOUT_MPI"] = "1"
     # The environment's cmake (PyPI's, in the venv) before any older system cmake.

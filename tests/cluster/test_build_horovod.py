@@ -68,7 +68,10 @@ def fake_sdist(root):
           "      py::gil_scoped_release release_python_gil;\n      std::this_thread::yield();\n    }\n  }\n"
           "  auto status = handle_manager.ReleaseHandle(handle);\n")
     write(root / "setup.py",
+          "if not os.environ.get('HOROVOD_WITHOUT_PYTORCH'):\n    require_list.append('cffi>=1.4.0')\n"
           "        config = 'Debug' if self.debug or os.environ.get('HOROVOD_DEBUG') == \"1\" else 'RelWithDebInfo'\n")
+    write(root / "horovod/common/group_table.h", "#include <mutex>\n#include <queue>\n#include <vector>\n")
+    write(root / "horovod/common/common.h", "#include <functional>\n#include <memory>\n#include <string>\n")
     write(root / "horovod/runner/mpi_run.py",
           "    else:\n        os.execve('/bin/sh', ['/bin/sh', '-c', mpirun_command], env)\n")
     write(root / "horovod/runner/launch.py",
@@ -313,3 +316,26 @@ def test_a_build_made_from_the_same_request_is_recognised_without_a_cuda_toolkit
     assert build_horovod.build_request(build_horovod.argparse.Namespace(gpu=False, no_mpi=False), info) != request
     monkeypatch.setenv("HOROVOD_BUILD_CUDA_CC_LIST", "90")
     assert build_horovod.build_request(args, info) != request
+
+
+@pytest.mark.parametrize("version, included", [("13.3.0", True), ("14.2.0", True), ("12.2.0", False)])
+def test_gcc_13_and_newer_get_the_standard_headers_horovods_sources_assume(tmp_path, version, included):
+    # GCC 13's libstdc++ (Ubuntu 24.04, the CUDA images) no longer brings <string> and <stdexcept> along with other
+    # headers: Horovod's gloo sources failed to compile there (seen on an H200 machine's image).
+    compiler = tmp_path / "g++"
+    compiler.write_text(f"#!/bin/sh\necho {version}\n")
+    compiler.chmod(0o755)
+    flags = build_horovod.newer_libstdcxx_flags({"CXX": str(compiler), "CXXFLAGS": "-O2"})
+    if included:
+        assert flags == {"CXXFLAGS": "-O2 -include cstdint -include string -include stdexcept"}
+    else:
+        assert flags == {}
+
+
+def test_the_build_needs_no_cffi_and_names_the_headers_gcc_13_no_longer_brings(tmp_path):
+    # cffi was required to build (a leftover of torch < 1.0): offline, without it, the build tried to download it.
+    fake_sdist(tmp_path)
+    build_horovod.apply_patches(tmp_path, 17)
+    assert "cffi" not in (tmp_path / "setup.py").read_text().replace("# hvd-train: cffi", "")
+    assert "#include <string>" in (tmp_path / "horovod/common/group_table.h").read_text()
+    assert "#include <stdexcept>" in (tmp_path / "horovod/common/common.h").read_text()
