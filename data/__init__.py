@@ -12,12 +12,12 @@ from hvd_train.data.augment import SeededBatches, SeededSamples
 from hvd_train.data.catalog import CHOICES, DATASETS, FROM_FILES, find_dataset, native_size
 from hvd_train.data.errors import BadSampleError, DataError
 from hvd_train.data.preprocessing import Preprocessing, class_names
-from hvd_train.data.samplers import ShardSampler
+from hvd_train.data.samplers import ShardSampler, rest_of_epoch
 from hvd_train.data.split import split_indices
 
 __all__ = ["CHOICES", "DATASETS", "FROM_FILES",
            "BadSampleError", "DataError", "DataInfo", "LoaderSpec", "build_loaders",
-           "check_world", "datasets_from", "find_dataset", "is_streamed", "native_size"]
+           "check_world", "continue_epoch", "datasets_from", "find_dataset", "is_streamed", "native_size"]
 IMAGE_FACTS = ("in_channels", "num_classes", "image_size")
 
 
@@ -153,3 +153,26 @@ def is_streamed(train_set):
 def check_world(train_set, world_size, spec):
     """Tar shards: every rank needs whole shards of its own and a full batch from them (data/shard_index.py)."""
     shard_index.check_plan(train_set, world_size, spec.batch_size, spec.workers, seed=spec.seed)
+
+
+def continue_epoch(train_loader, position, rank, world_size):
+    """Make the training loader read the rest of an epoch that a checkpoint was taken within. position: the
+    checkpoint's (hvd_train/run/saves.py): epoch, steps done, world_size, samples_per_rank, workers. Returns a
+    sentence for the log, and whether the epoch continues (False: it starts over, for tar shards whose plan was
+    made for another number of ranks, workers or batch size)."""
+    epoch, steps = position["epoch"], position["steps"]
+    if isinstance(train_loader, shards.ShardLoader):
+        if train_loader.continue_epoch(epoch, steps, position):
+            return f"epoch {epoch} continues after its step {steps}, as the shards' plan was", True
+        return (f"epoch {epoch} starts over: its shards were planned for {position['world_size']} rank(s) with "
+                f"{position['workers']} loader worker(s) and batch {position['samples_per_rank'] // max(1, steps)}, "
+                f"this run differs (the {steps} step(s) of it done stay in the weights)"), False
+    batches = train_loader.batch_sampler
+    sampler = batches.sampler
+    rest = rest_of_epoch(sampler.dataset, sampler.seed, epoch, position["world_size"], position["samples_per_rank"],
+                         rank, world_size)
+    batches.resume(epoch, rest)
+    if position["world_size"] == world_size:
+        return f"epoch {epoch} continues after its step {steps}, each rank where it was", True
+    return (f"epoch {epoch} continues after its step {steps}: the samples it had not trained, dealt out anew "
+            f"among {world_size} rank(s) (none read twice)"), True

@@ -196,11 +196,24 @@ class SeededBatches:
 
     def __init__(self, sampler, batch_size, seed, drop_last=False):
         self.sampler, self.batch_size, self.seed, self.drop_last = sampler, batch_size, seed, drop_last
+        self.rest = None  # (epoch, indices): what a run resumed within `epoch` reads of it (resume())
+
+    def resume(self, epoch, indices):
+        """Epoch `epoch` reads `indices` (this rank's rest of an epoch a run was checkpointed in) instead of the
+        sampler's whole shard; later epochs read the sampler's again. The batches left out are never made, so
+        their samples are neither loaded nor transformed."""
+        self.rest = (epoch, list(indices))
+
+    def _indices(self):
+        epoch = getattr(self.sampler, "epoch", 0)  # DistributedSampler's and Horovod's ElasticSampler's
+        if self.rest is not None and self.rest[0] == epoch:
+            return epoch, self.rest[1]
+        return epoch, self.sampler
 
     def __iter__(self):
-        epoch = getattr(self.sampler, "epoch", 0)  # DistributedSampler's and Horovod's ElasticSampler's
+        epoch, indices = self._indices()
         batch = []
-        for index in self.sampler:
+        for index in indices:
             batch.append((index, sample_seed(self.seed, epoch, index)))
             if len(batch) == self.batch_size:
                 yield batch
@@ -209,9 +222,10 @@ class SeededBatches:
             yield batch
 
     def __len__(self):
+        count = len(self._indices()[1])
         if self.drop_last:
-            return len(self.sampler) // self.batch_size
-        return -(-len(self.sampler) // self.batch_size)
+            return count // self.batch_size
+        return -(-count // self.batch_size)
 
 
 class SeededSamples(Dataset):

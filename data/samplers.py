@@ -1,5 +1,5 @@
 """Samplers that shard a data set between ranks."""
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler
 
 
 class ShardSampler(Sampler):
@@ -19,3 +19,24 @@ class ShardSampler(Sampler):
 
     def __len__(self):
         return len(self.indices)
+
+
+def rest_of_epoch(dataset, seed, epoch, world_was, samples_done, rank, world_size):
+    """This rank's share, on `world_size` ranks, of the samples of `epoch` that a run on `world_was` ranks had not
+    trained when each of its ranks had read `samples_done` of them (its steps times its batch).
+
+    DistributedSampler deals the epoch's padded shuffle out in turn (rank r takes positions r, r + W, ...), so the
+    samples read after k steps of batch B on every rank are exactly the shuffle's first W * k * B positions. The rest
+    is dealt out the same way among the ranks there are now: on as many ranks as before, each rank's share is the
+    remainder of its own shard, in order; on another number, no sample of the epoch is read twice or left out (as
+    DistributedSampler, the share is padded with repeats to equal length)."""
+    old = []
+    for r in range(world_was):
+        sampler = DistributedSampler(dataset, num_replicas=world_was, rank=r, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch)
+        old.append(list(sampler))
+    rest = [old[r][j] for j in range(len(old[0])) for r in range(world_was)][world_was * samples_done:]
+    if not rest:
+        return []
+    padded = rest + (rest * (-(-world_size // len(rest))))[:(-len(rest)) % world_size]
+    return padded[rank::world_size]

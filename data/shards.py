@@ -116,12 +116,19 @@ class ShardStream(IterableDataset):
     shuffled through a buffer; validation yields every sample, in shard order.
 
     The epoch sits in shared memory: loader workers live across epochs (starting them costs seconds) and read it
-    when an epoch's iteration starts, so they follow set_epoch without being restarted."""
+    when an epoch's iteration starts, so they follow set_epoch without being restarted. So do the batches each
+    worker leaves out of an epoch that a resumed run continues (`skip`, for the epoch `skip_epoch`): their samples
+    are read, as the shuffle buffer must be filled the same way, but neither decoded nor transformed.
+
+    Each training sample's random transforms draw from generators seeded by (seed, epoch, rank, worker, its place in
+    the worker's stream), so a sample left out draws nothing that a later one would have drawn."""
 
     def __init__(self, shards, place, transform, shuffle_buffer):
         self.shards, self.place, self.transform, self.shuffle_buffer = shards, place, transform, shuffle_buffer
         self.structure = shards.facts.get("structure") if shards.facts.get("transform") == "samples" else None
         self.epoch = torch.ones(1, dtype=torch.int64).share_memory_()
+        self.skip_epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self.skip = torch.zeros(max(1, place.workers), dtype=torch.int64).share_memory_()
 
     def plan(self, epoch):
         """([worker] -> shard indices, steps) of this rank for `epoch`."""
@@ -135,35 +142,55 @@ class ShardStream(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         worker, epoch = (info.id if info is not None else 0), int(self.epoch[0])
-        if info is not None:
-            # A worker's random crops and flips depend on the epoch alone, not on how many epochs this worker has
-            # lived: a resumed run's fresh workers draw what an uninterrupted run's draw. (timm's policies draw
-            # from Python's and NumPy's generators.)
-            seed_all(derived_seed(self.place.seed, epoch, self.place.rank, worker))
+        skipped = int(self.skip[worker]) * self.place.batch_size if int(self.skip_epoch[0]) == epoch else 0
         samples = self.samples(self.plan(epoch)[0][worker])
         if self.shards.train:
             rng = random.Random(f"{self.place.seed}:{epoch}:{self.place.rank}:{worker}")
             samples = shuffled(samples, self.shuffle_buffer, rng)
         batch, join = [], collate if self.structure is None else default_collate
-        for item in samples:
-            batch.append(item if self.structure is not None else (self.transform(item[0]), item[1]))
+        for n, raw in enumerate(samples):
+            if n < skipped:
+                continue
+            item = self.prepare(raw, (self.place.seed, epoch, self.place.rank, worker, n), info is not None)
+            batch.append(item)
             if len(batch) == self.place.batch_size:
                 yield join(batch)
                 batch = []
         if batch and not self.shards.train:
             yield join(batch)
 
+    def prepare(self, raw, key, in_worker):
+        """A sample as the model takes it, from its tar fields; a training image's transforms seeded by `key`."""
+        sample, url = raw
+        if self.structure is not None:
+            return rebuild(sample, self.structure, url)
+        image, label = decode(sample, url, self.shards.facts.get("in_channels", 3))
+        if not self.shards.train:
+            return self.transform(image), label
+        if in_worker:  # nothing else draws in a loader worker
+            seed_all(derived_seed(*key))
+            return self.transform(image), label
+        # In the training process the generators are put back after, so dropout draws as it would without shards.
+        python, numpy = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                seed_all(derived_seed(*key))
+                return self.transform(image), label
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
+
     def samples(self, shard_indices):
+        """(tar fields, url) of each sample of the shards, in order; a shard that cannot be read, or that holds
+        another number of samples than the index says, is named."""
         from webdataset.tariterators import tarfile_samples
 
-        channels = self.shards.facts.get("in_channels", 3)
         for i in shard_indices:
             url, expected, seen = self.shards.urls[i], self.shards.counts[i], 0
             try:
                 for sample in tarfile_samples([{"url": url}]):
                     seen += 1
-                    yield decode(sample, url, channels) if self.structure is None else \
-                        rebuild(sample, self.structure, url)
+                    yield sample, url
             except BadSampleError:
                 raise
             except Exception as e:  # webdataset, tarfile and curl signal unreadable shards with many types
@@ -175,6 +202,18 @@ class ShardStream(IterableDataset):
             if seen != expected:
                 raise BadSampleError(f"shard {url}: holds {seen} samples, its index says {expected}: the shard is "
                                      f"cut short or the index is stale; rewrite them with `hvd-train shard`")
+
+
+def batches_before(counts, steps):
+    """How many batches each loader worker has given when the loader has given `steps`: DataLoader takes one from
+    each worker in turn, passing over a worker that has run out (`counts`: each worker's batches)."""
+    taken, given = [0] * len(counts), 0
+    while given < steps and any(t < c for t, c in zip(taken, counts)):
+        for w, count in enumerate(counts):
+            if given < steps and taken[w] < count:
+                taken[w] += 1
+                given += 1
+    return taken
 
 
 def describe(error):
@@ -219,6 +258,21 @@ class ShardLoader:
         if self.stream.shards.train and self.steps == 0:  # an epoch no rank can train: the refusal says why
             p = self.stream.place
             check_plan(self.stream.shards, p.world_size, p.batch_size, p.workers, epoch, p.seed)
+        if int(self.stream.skip_epoch[0]) == epoch:
+            self.steps -= int(self.stream.skip.sum())
+
+    def continue_epoch(self, epoch, steps, position):
+        """Read `epoch` from its step `steps` on (a run resumed from a checkpoint taken there), where the epoch's
+        plan is the one the checkpoint's run had (the same ranks, loader workers and batch); returns whether it is."""
+        p = self.stream.place
+        if (position["world_size"], position.get("workers"), position["samples_per_rank"]) != \
+                (p.world_size, p.workers, steps * p.batch_size):
+            return False
+        parts, _ = train_plan(self.stream.shards, epoch, p.seed, p.world_size, p.workers, p.batch_size)
+        counts = [sum(self.stream.shards.counts[i] for i in part) // p.batch_size for part in parts[p.rank]]
+        self.stream.skip[:] = torch.tensor(batches_before(counts, steps))
+        self.stream.skip_epoch[0] = epoch
+        return True
 
     def __len__(self):
         return self.steps

@@ -55,8 +55,9 @@ def recipe_main():
 def configure(argv=None, cfg=None):
     """The run's settings (argv: the command line by default), checked before Horovod starts; the process's
     debugging aids switched on."""
-    # `kill -USR1 <pid>` prints every thread's Python stack to stderr: where a rank that seems stuck is waiting.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # `kill -USR2 <pid>` prints every thread's Python stack to stderr: where a rank that seems stuck is waiting.
+    # (SIGUSR1 is SLURM's warning before a time limit: a checkpoint, then a requeue; guards/interrupt.py.)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     keep_private()
     cfg = cfg or parse_config(argv)
     check_choices(cfg)

@@ -60,10 +60,11 @@ class Trainer:
 
 
 class Hooks:
-    """What a mode adds to fit(); these defaults suit a fixed set of ranks with a DistributedSampler."""
+    """What a mode adds to fit(); these defaults suit a fixed set of ranks with a DistributedSampler. `saves`: the
+    checkpoints taken between epoch ends (hvd_train/run/saves.py), told of every step."""
 
-    def __init__(self, sampler=None, on_epoch_end=None, state=None):
-        self.sampler, self.on_epoch_end, self.state = sampler, on_epoch_end, state
+    def __init__(self, sampler=None, on_epoch_end=None, state=None, saves=None):
+        self.sampler, self.on_epoch_end, self.state, self.saves = sampler, on_epoch_end, state, saves
 
     def epoch_start(self, epoch):
         if self.state is not None:
@@ -72,14 +73,28 @@ class Hooks:
             # Horovod: a new shuffle every epoch, the same on every rank, so the shards stay disjoint.
             self.sampler.set_epoch(epoch)
 
+    def carried(self, epoch):
+        """(steps of `epoch` trained before a checkpoint taken within it, this rank's metric sums of them): where a
+        run resumed from that checkpoint continues the epoch; (0, {}) for an epoch started afresh."""
+        if self.state is None:
+            return 0, {}
+        return self.state.carried(epoch, hvd_utils.rank(), hvd_utils.world_size())
+
+    def carried_seconds(self, epoch):
+        """Seconds spent on the steps carried() names (the epoch's time counts them)."""
+        return self.state.carried_seconds(epoch) if self.state is not None else 0.0
+
     def position(self, epoch, step, steps):
         """Epochs done (fractional) before step `step` (0-based) of an epoch of `steps`: sets the rate."""
         return epoch - 1 + step / steps
 
-    def after_step(self, epoch):
-        """After every optimizer step: count it in the run state (checkpoints record it)."""
+    def after_step(self, epoch, step, steps, sums):
+        """After optimizer step `step` of `steps` in `epoch` (`sums`: this rank's metric sums of the epoch so far):
+        count it in the run state (checkpoints record it), then the step checkpoints' turn."""
         if self.state is not None:
             self.state.count_step()
+        if self.saves is not None:
+            self.saves.after_step(epoch, step, steps, sums)
 
     def epoch_end(self, epoch, record):
         """After every epoch, on every rank; true ends training there."""
@@ -144,38 +159,48 @@ def train_one_epoch(trainer, loader, epoch, hooks):
     """
     t, opts = trainer, trainer.opts
     t.model.train()
-    total = {}
+    # A run resumed from a checkpoint taken within this epoch continues after the steps it holds, with their sums.
+    done, carried = hooks.carried(epoch)
+    total = {key: torch.as_tensor(value, device=t.device, dtype=torch.float64) for key, value in carried.items()}
+    steps = done + len(loader)
     # A bar where a person watches a terminal; whole lines every progress_every seconds in a log.
-    progress = Progress(epoch, t.epochs, len(loader), opts.show_progress, opts.progress_every, opts.terminal)
-    start = time.perf_counter()
-    for step, batch in enumerate(loader, 1):
+    progress = Progress(epoch, t.epochs, steps, opts.show_progress, opts.progress_every, opts.terminal, done)
+    start, seen_before = time.perf_counter(), float(carried.get("count", 0.0))
+    for step, batch in enumerate(loader, done + 1):
         watchdog.tick()  # a batch in hand
-        t.schedule.apply(t.optimizer, hooks.position(epoch, step - 1, len(loader)))
+        t.schedule.apply(t.optimizer, hooks.position(epoch, step - 1, steps))
         batch = to_device(batch, t.device)
         if t.mixing is not None:
             batch = t.mixing(batch, epoch, step)
         _add(total, train_step(t, batch), t.device)
-        hooks.after_step(epoch)
         if step == 1 and epoch == 1 and hooks.state is not None:
             # Every rank reduces here (an elastic worker that joined in epoch 1 too); a value is kept only once.
             hooks.state.keep_first_loss(first_loss(total))
         if t.profiler is not None:
             t.profiler.step()
         figures = {}
-        if step % opts.log_every == 0 or step == len(loader):
+        if step % opts.log_every == 0 or step == steps:
             # The one host sync every log_every steps: all ranks learn whether any loss went non-finite. A NaN or
             # infinite loss leaves the running loss sum non-finite for good, so checking the sum covers every step.
-            if hvd_utils.sum_across_ranks(~torch.isfinite(total["loss"]), name="nonfinite") > 0:
-                progress.close()
-                raise NonFiniteLossError(f"the loss became NaN or infinite at epoch {epoch}, step {step} on at "
-                                         f"least one rank; lower --lr, use --clip-grad, or check the data")
-            seen = float(total["count"])
+            check_finite(total, epoch, step, progress)
+            seen = float(total["count"]) - seen_before
             figures = {"loss": f"{float(total['loss']) / max(1.0, seen):.4f}",
                        "lr": f"{t.optimizer.param_groups[0]['lr']:.3g}",
                        "samples_s": f"{seen / (time.perf_counter() - start):.0f}"}
         progress.update(step, **figures)
+        hooks.after_step(epoch, step, steps, total)
     progress.close()
     return total
+
+
+def check_finite(total, epoch, step, progress=None):
+    """Every rank learns whether any rank's running loss sum went NaN or infinite (one tiny allreduce and a host
+    sync); raises NonFiniteLossError on every rank if so."""
+    if hvd_utils.sum_across_ranks(~torch.isfinite(total["loss"]), name="nonfinite") > 0:
+        if progress is not None:
+            progress.close()
+        raise NonFiniteLossError(f"the loss became NaN or infinite at epoch {epoch}, step {step} on at least one "
+                                 f"rank; lower --lr, use --clip-grad, or check the data")
 
 
 def first_loss(total):
@@ -239,7 +264,7 @@ def fit(trainer, train_loader, val_loader, hooks, first_epoch=1):
         hooks.epoch_start(epoch)
         # The rate of the epoch's first step, for its record (train_one_epoch sets it before every step).
         lr = trainer.schedule.lr(hooks.position(epoch, 0, max(1, len(train_loader))))
-        start = time.perf_counter()
+        start = time.perf_counter() - hooks.carried_seconds(epoch)
         train_sums = train_one_epoch(trainer, train_loader, epoch, hooks)
         first = hooks.state.first_loss if hooks.state is not None else None
         record = close_epoch(trainer, train_sums, val_loader, EpochTiming(epoch, lr, start, first))

@@ -45,12 +45,13 @@ def on_terminal():
 class Progress:
     """update() after every step with the figures to show; close() at the end of the epoch."""
 
-    def __init__(self, epoch, epochs, steps, enabled, every_s, terminal):
+    def __init__(self, epoch, epochs, steps, enabled, every_s, terminal, done=0):
+        """done: steps of the epoch trained before (a run resumed within it)."""
         self.label, self.steps, self.enabled, self.every_s = f"epoch {epoch}/{epochs}", steps, enabled, every_s
-        self.bar = tqdm(total=steps, desc=self.label, unit="step", dynamic_ncols=True, leave=False) \
+        self.bar = tqdm(total=steps, initial=done, desc=self.label, unit="step", dynamic_ncols=True, leave=False) \
             if enabled and terminal else None
         self.start = self.last = time.monotonic()
-        self.step, self.figures = 0, {}
+        self.step, self.figures = done, {}
 
     def update(self, step, **figures):
         """Step `step` is done; figures (loss, lr, ...) are the latest, or empty between the steps that have them."""

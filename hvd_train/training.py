@@ -12,16 +12,18 @@ from typing import Optional
 import torch
 
 import hvd_utils
-from hvd_train.guards import interrupt, watchdog
+from hvd_train.guards import interrupt, time_limit, watchdog
 from hvd_train.build import (attach_profiler, build_model_for, build_optimizer, build_task, load_initial_weights,
                              loader_spec, materialise_lazy, prepare_data)
 from hvd_train.checks import check_shards
 from hvd_train.data import DataInfo, LoaderSpec, build_loaders, check_world, is_streamed
+from hvd_train.data import continue_epoch as continue_epoch_of
 from hvd_train.engine import Hooks, StepOptions, Trainer
 from hvd_train import engine
 from hvd_train.regularize import Mixing, weight_average
 from hvd_train.run.reporting import finish as write_summary, log_rescale, log_setup
 from hvd_train.run.directory import RunDir, write_config
+from hvd_train.run.saves import StepSaves
 from hvd_train.run.state import AfterEpoch, RunState, checkpoint_fits, outputs_for, read_checkpoint
 from hvd_train.schedule import LRSchedule, batching
 from hvd_train.run.tracking import open_trackers
@@ -141,21 +143,41 @@ def fit(run, loaders):
     log_setup(cfg, rt, run.info, trainer, state.epoch)
     if run.resumed_from:
         log_rescale(cfg, state.resumes[-1], len(train_loader))
+    if state.partial:
+        continue_epoch(run, train_loader)
     write_config_everywhere(run.run_dir, cfg)
     # A rank that stops making progress ends the job with its name instead of hanging it (every rank starts it).
     watchdog.start(rt, cfg.run.freeze_timeout_s, f"Checkpoints in {run.run_dir.checkpoints} are written whole or "
                    "not at all: --resume auto continues from the newest.")
+    after_epoch = AfterEpoch(cfg, trainer, state, outputs)
+    saves = StepSaves(cfg, after_epoch, time_limit.deadline(cfg.checkpoint.before_time_limit_s, rt.is_main))
     try:
-        hooks = Hooks(sampler, AfterEpoch(cfg, trainer, state, outputs), state)
-        engine.fit(trainer, train_loader, val_loader, hooks, first_epoch=state.epoch + 1)
+        # While the epochs run, SIGTERM and SIGUSR1 have a checkpoint written at the next step before the run stops.
+        with interrupt.save_first():
+            engine.fit(trainer, train_loader, val_loader, Hooks(sampler, after_epoch, state, saves),
+                       first_epoch=state.epoch + 1)
+        saves.close()
         close_profiler(trainer)
+        # The last checkpoint is written (a background write's failure stops every rank here, with its message).
+        hvd_utils.decide_on_root(outputs.checkpointer.wait, "last_checkpoint")
     except BaseException as e:
         # The tracker's run ends too: killed (Ctrl-C, SIGTERM) or failed; --resume continues it.
+        outputs.checkpointer.settle()
         outputs.reporter.end_tracking(None, [], "KILLED" if isinstance(e, interrupt.Interrupted) else "FAILED")
         raise
     finally:
+        state.set_saves(saves.times.summary())
         watchdog.stop()
         outputs.reporter.close()
+
+
+def continue_epoch(run, train_loader):
+    """A run resumed from a checkpoint taken within an epoch: its loader reads the rest of that epoch (or, where
+    it cannot, the epoch starts over), said in one line."""
+    said, continues = continue_epoch_of(train_loader, run.state.partial, run.rt.rank, run.rt.size)
+    log.info("resumed within epoch %d: %s", run.state.partial["epoch"], said)
+    if not continues:
+        run.state.restart_epoch()
 
 
 def write_config_everywhere(run_dir, cfg):

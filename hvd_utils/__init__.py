@@ -10,6 +10,7 @@ from hvd_utils.optim import (apply_gradients, average_buffers, broadcast_state, 
 from hvd_utils.rank0 import broadcast_module, decide_on_root
 from hvd_utils import timeline
 from hvd_utils.data import shard_sampler
+from hvd_utils.vote import StepVote
 from hvd_utils.runtime import (PeerFailure, Runtime, init, launcher_rank, pin_to_local_rank, rank, run_on_local_root,
                                shutdown, start, world_size)
 
@@ -18,4 +19,4 @@ __all__ = ["timeline", "PeerFailure", "Runtime", "init", "start", "pin_to_local_
            "lr_scale", "distributed_optimizer", "apply_gradients", "average_buffers", "broadcast_state",
            "sync_batch_norm", "decide_on_root", "broadcast_module", "rank", "allreduce_sums",
            "sum_across_ranks", "gather_floats", "gather_objects",
-           "allreduce_average", "params_fingerprint", "fingerprints_by_rank"]
+           "allreduce_average", "params_fingerprint", "fingerprints_by_rank", "StepVote"]

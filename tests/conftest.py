@@ -136,7 +136,7 @@ def app(monkeypatch, capfd):
     def run(*args, env=None):
         saved_env, threads = dict(os.environ), torch.get_num_threads()
         saved_path, saved_modules = list(sys.path), set(sys.modules)
-        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
         wakeup_fd = signal.set_wakeup_fd(-1)
         root = logging.getLogger()
         root_handlers, root_level = root.handlers[:], root.level
@@ -156,7 +156,7 @@ def app(monkeypatch, capfd):
             signal.set_wakeup_fd(wakeup_fd)
             root.handlers[:] = root_handlers
             root.setLevel(root_level)
-            faulthandler.unregister(signal.SIGUSR1)
+            faulthandler.unregister(signal.SIGUSR2)
             sys.path[:] = saved_path
             for name in set(sys.modules) - saved_modules:  # a user's plug-in modules, which tests write afresh
                 where = getattr(sys.modules[name], "__file__", None)

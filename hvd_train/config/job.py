@@ -45,12 +45,26 @@ class CheckpointConfig(_Section):
     every_epochs: int = opt(1, "write a checkpoint every this many epochs (and after the last)")
     hist: int = opt(1, "how many of the best checkpoints to keep: best.pt and, from 2, best_epoch_NNNN.pt for each "
                     "of the N best epochs by the task's best metric", flags=("checkpoint-hist",))
+    every_steps: int = opt(0, "also write a checkpoint within epochs every this many optimizer steps of the run "
+                           "(step_NNNNNNNN.pt, the newest kept; --resume auto continues at the next step); 0: off")
+    every_minutes: float = opt(0.0, "also write a checkpoint within epochs at the first step this many minutes after "
+                               "the last one (rank 0's clock); 0: off")
+    background: bool = opt(True, "write checkpoints from a copy in host memory on a thread of their own while "
+                           "training goes on (the step waits only for the copy); false: write them in the step")
+    before_time_limit_s: float = opt(300.0, "under SLURM: save and stop (exit 75, which slurm_train.sbatch "
+                                     "requeues) this many seconds before the job's time limit; 0: off")
 
     def __post_init__(self):
         super().__post_init__()
         _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "must be 0 or more")
         _require(self.every_epochs >= 1, "checkpoint.every_epochs", self.every_epochs, "must be 1 or more")
         _require(self.hist >= 1, "checkpoint.hist (--checkpoint-hist)", self.hist, "must be 1 or more")
+        _require(self.every_steps >= 0, "checkpoint.every_steps", self.every_steps,
+                 "must be a number of optimizer steps, or 0 for no checkpoints within epochs")
+        _require(self.every_minutes >= 0, "checkpoint.every_minutes", self.every_minutes,
+                 "must be a number of minutes, or 0 for none")
+        _require(self.before_time_limit_s >= 0, "checkpoint.before_time_limit_s", self.before_time_limit_s,
+                 "must be a number of seconds, or 0 to ignore the job's time limit")
 
 
 @dataclass

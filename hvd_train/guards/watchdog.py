@@ -62,17 +62,29 @@ class Peer:
     sequence: int = -1        # the highest sequence number taken from it: an older or repeated one is a replay
 
 
+_last_activity = time.monotonic()  # of this process, watched or not (interrupt.py waits while it moves)
+
+
 def tick():
     """A progress point: every rank reaches each one the same number of times."""
+    global _last_activity
+    _last_activity = time.monotonic()
     if _active is not None:
         _active.progress += 1
-        _active.last_activity = time.monotonic()
+        _active.last_activity = _last_activity
 
 
 def busy():
     """This rank is working (a validation batch, a checkpoint write) without a countable progress point."""
+    global _last_activity
+    _last_activity = time.monotonic()
     if _active is not None:
-        _active.last_activity = time.monotonic()
+        _active.last_activity = _last_activity
+
+
+def seconds_idle():
+    """Seconds since this process last passed a progress point or did other work (a step, a validation batch)."""
+    return time.monotonic() - _last_activity
 
 
 def machine_id():

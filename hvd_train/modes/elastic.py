@@ -49,7 +49,7 @@ class ElasticHooks(Hooks):
             return super().position(epoch, step, steps)
         return epoch - 1 + min(1.0, self.sampler.processed_num / len(self.sampler.dataset))
 
-    def after_step(self, epoch):
+    def after_step(self, epoch, step, steps, sums):
         st = self.st
         st.batch += 1
         st.steps += 1
@@ -89,6 +89,8 @@ def train(cfg, rt, data, trainer, loaders):
     if streamed:
         sampler = None  # tar shards: the loader is built for the current workers in the elastic loop
     state, outputs = RunState(), outputs_for(cfg, data.info, trainer.task, is_main=False)
+    # Written in the step: the writing rank can change at a reset, and its checkpoint must be whole by then.
+    outputs.checkpointer.background = False
     after_epoch = AfterEpoch(cfg, trainer, state, outputs)
     # The weights' average (--model-ema) is a module: Horovod's state saves, restores and syncs it like the model.
     averaged = {"ema": trainer.ema} if trainer.ema is not None else {}
@@ -128,6 +130,10 @@ def train(cfg, rt, data, trainer, loaders):
                 lambda: outputs.run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite), "output_dir")
             if resume_from:
                 resume(resume_from, trainer, state, outputs.fits)
+                if state.partial:  # Horovod's ElasticSampler deals whole epochs: the one it was taken within
+                    log.info("resumed within epoch %d: an elastic run starts it over (the %d step(s) of it done "
+                             "stay in the weights)", state.partial["epoch"], state.partial["steps"])
+                    state.restart_epoch()
                 st.epoch, st.steps = state.epoch + 1, state.step
                 sampler.set_epoch(st.epoch)
             elif cfg.model.init_from:  # rank 0's weights to the others (the commit keeps them)

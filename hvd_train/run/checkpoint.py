@@ -2,7 +2,8 @@
 
 A checkpoint holds the model, optimizer and AMP scaler states, the run state (epoch, optimizer steps, best metric,
 per-epoch history), the resolved config and every rank's RNG states; the learning rate follows from the epoch.
-Files in <dir>: epoch_NNNN.pt (the newest keep_last), last.pt and best.pt. Loading uses torch.load(weights_only=True): a
+Files in <dir>: epoch_NNNN.pt (the newest keep_last), step_NNNNNNNN.pt (the newest checkpoint taken within an
+epoch, named by the run's optimizer steps), last.pt and best.pt. Loading uses torch.load(weights_only=True): a
 checkpoint is data, and a file that would run code on loading is refused.
 """
 import glob
@@ -11,12 +12,14 @@ import pickle
 import random
 import re
 import shutil
+import threading
 import warnings
 import zipfile
 
 import torch
 
 from hvd_train.errors import CheckpointError
+from hvd_train.guards import interrupt
 from hvd_train.run.directory import BEST_CHECKPOINT, LAST_CHECKPOINT, atomic_write, reported_write, temporary_beside
 
 VERSION = 1
@@ -64,40 +67,134 @@ def _link_or_copy(src, dst):
 
 EPOCH_FILE = re.compile(r"epoch_(\d+)\.pt")
 BEST_FILE = re.compile(r"best_epoch_(\d+)\.pt")  # --checkpoint-hist: one of the N best epochs
+STEP_FILE = re.compile(r"step_(\d+)\.pt")  # a checkpoint within an epoch, by the run's optimizer steps
+KEPT_TAIL = "; the checkpoints written before are intact, and --resume auto continues from the newest"
 
 
-def epoch_files(directory):
-    """Per-epoch checkpoints in `directory`, oldest first (any other file there, say epoch_best.pt, is left be)."""
+def numbered_files(directory, pattern=EPOCH_FILE):
+    """The files in `directory` whose names `pattern` numbers, oldest first (any other file, say epoch_best.pt, is
+    left be)."""
     if not os.path.isdir(directory):
         return []
-    numbered = [(int(m.group(1)), name) for name in os.listdir(directory) if (m := EPOCH_FILE.fullmatch(name))]
+    numbered = [(int(m.group(1)), name) for name in os.listdir(directory) if (m := pattern.fullmatch(name))]
     return [os.path.join(directory, name) for _, name in sorted(numbered)]
 
 
-class Checkpointer:
-    """Writes checkpoints on rank 0 and keeps last.pt, best.pt and the newest keep_last per-epoch files."""
+def epoch_files(directory):
+    """Per-epoch checkpoints in `directory`, oldest first."""
+    return numbered_files(directory, EPOCH_FILE)
 
-    def __init__(self, directory, keep_last=3, enabled=True):
-        self.directory, self.keep_last, self.enabled = directory, keep_last, enabled
+
+def snapshot(obj):
+    """A copy of a checkpoint's contents in host memory: every tensor copied (from the GPU, or cloned), the
+    containers rebuilt, so that training can change the originals while a thread writes the copy."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: snapshot(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(value) for value in obj)
+    return obj
+
+
+class Checkpointer:
+    """Writes checkpoints on rank 0 and keeps last.pt, best.pt, the newest keep_last per-epoch files and the newest
+    file written within an epoch (step_NNNNNNNN.pt, until an epoch's end supersedes it).
+
+    background: each save copies the checkpoint into host memory and a thread of its own writes it while training
+    goes on; a save waits for the one before it, and a failed write is raised by the next save, by failure() and
+    by wait(). Otherwise the save writes in the caller's thread."""
+
+    def __init__(self, directory, keep_last=3, enabled=True, background=False):
+        self.directory, self.keep_last, self.enabled, self.background = directory, keep_last, enabled, background
+        self.writer, self.error = None, None
         if enabled:
             os.makedirs(directory, exist_ok=True)
             # Left by a writer that was killed mid-write; the files they were replacing are intact.
             for stale in glob.glob(os.path.join(directory, "*.tmp.*")):
                 os.remove(stale)
 
-    def save(self, payload, epoch, is_best, best_epochs=()):
+    def save(self, payload, epoch, is_best, best_epochs=(), then=None):
         """Write epoch `epoch`; returns the path of last.pt (None on ranks that do not write). A failed write (a
         full disk) is one CheckpointError and leaves the earlier checkpoints as they were. best_epochs: the N best
-        epochs (--checkpoint-hist N > 1), kept as best_epoch_NNNN.pt whatever keep_last removes."""
+        epochs (--checkpoint-hist N > 1), kept as best_epoch_NNNN.pt whatever keep_last removes. then(): after the
+        checkpoint is written (the epoch's record follows its checkpoint)."""
         if not self.enabled:
             return None
-        path = os.path.join(self.directory, f"epoch_{epoch:04d}.pt")
+        return self._submit(lambda data: self._write_epoch(data, epoch, is_best, best_epochs), payload, then)
+
+    def save_step(self, payload, step, then=None):
+        """Write a checkpoint taken within an epoch, after optimizer step `step` of the run, as step_NNNNNNNN.pt and
+        last.pt; the older step file goes."""
+        if not self.enabled:
+            return None
+        return self._submit(lambda data: self._write(data, f"step_{step:08d}.pt"), payload, then)
+
+    def failure(self):
+        """The error of a background write that has failed (None while writing, or if none failed)."""
+        if self.writer is not None and not self.writer.is_alive():
+            self.writer = None
+        return self.error
+
+    def raise_failure(self):
+        error, self.error = self.failure(), None
+        if error is not None:
+            raise error
+
+    def settle(self):
+        """Wait for the write under way, whatever becomes of it (a run that stops on another error)."""
+        if self.writer is not None:
+            self.writer.join()
+
+    def wait(self):
+        """Wait for the write under way; raise its error."""
+        if self.writer is not None:
+            self.writer.join()
+            self.writer = None
+        self.raise_failure()
+
+    def _submit(self, write, payload, then):
+        self.wait()  # one write at a time: the next save waits for the last
         last = os.path.join(self.directory, LAST_CHECKPOINT)
-        with reported_write(path, "; the checkpoints written before are intact, and --resume auto continues from "
-                                  "the newest"):
+        if not self.background:
+            write(payload)
+            if then is not None:
+                then()
+            return last
+        data = snapshot(payload)
+
+        def run():
+            with interrupt.background_write():  # the process ends only once it is written
+                try:
+                    write(data)
+                    if then is not None:
+                        then()
+                except CheckpointError as e:
+                    self.error = e
+                except Exception as e:  # a bug, or a fault the writer cannot name: still one error, raised later
+                    self.error = CheckpointError(f"writing a checkpoint in {self.directory} failed: "
+                                                 f"{type(e).__name__}: {e}{KEPT_TAIL}")
+
+        # Not a daemon: the interpreter waits for it at exit, so a run that ends right after a save leaves it whole.
+        self.writer = threading.Thread(target=run, name="checkpoint-writer")
+        self.writer.start()
+        return last
+
+    def _write(self, payload, name):
+        """payload as `name` and last.pt, atomically; then the older files written within epochs go."""
+        path = os.path.join(self.directory, name)
+        with reported_write(path, KEPT_TAIL):
             os.makedirs(self.directory, exist_ok=True)  # an elastic run's writer may change, and start late
             atomic_save(payload, path)
-            _link_or_copy(path, last)
+            _link_or_copy(path, os.path.join(self.directory, LAST_CHECKPOINT))
+        for old in numbered_files(self.directory, STEP_FILE):
+            if old != path:
+                os.remove(old)
+        return path
+
+    def _write_epoch(self, payload, epoch, is_best, best_epochs):
+        path = self._write(payload, f"epoch_{epoch:04d}.pt")
+        with reported_write(path, KEPT_TAIL):
             if is_best:
                 _link_or_copy(path, os.path.join(self.directory, BEST_CHECKPOINT))
             if epoch in best_epochs:
@@ -109,7 +206,6 @@ class Checkpointer:
                     os.remove(os.path.join(self.directory, name))
         for old in epoch_files(self.directory)[:-self.keep_last or None]:
             os.remove(old)
-        return last
 
 
 def load(path):

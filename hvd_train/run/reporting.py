@@ -145,6 +145,13 @@ def build_summary(cfg, rt, task, state, lr, fingerprints, run_dir):
         summary["stopped_at_epoch"] = state.stopped_at
     if state.elastic is not None:
         summary["elastic"] = state.elastic
+    # Where the newest checkpoint was taken, and the ones within epochs (--checkpoint.every_steps, every_minutes,
+    # a signal or a time limit): how many, and how long the training thread waited for each.
+    summary["last_checkpoint"] = ({"epoch": state.saved_within["epoch"], "after_step": state.saved_within["steps"],
+                                   "end_of_epoch": False} if state.saved_within else
+                                  {"epoch": state.saved_epoch, "end_of_epoch": True})
+    if state.saves is not None:
+        summary["checkpoints_within_epochs"] = state.saves
     if "val_acc1" in last:
         summary["best_val_acc1"] = max(r["val_acc1"] for r in history)
         summary["final_val_acc1"] = last["val_acc1"]

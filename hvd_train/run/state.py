@@ -39,6 +39,13 @@ class RunState:
     epoch_first_step: int = 0            # the value of `step` when it began
     first_loss: Optional[float] = None   # the run's first step's loss (all ranks), what divergence is measured by
     tracking: dict = field(default_factory=dict)  # the experiment trackers' run ids (hvd_train/run/tracking.py)
+    # A checkpoint taken within an epoch: {"epoch", "steps" (of it done), "world_size", "sums" (each rank's metric
+    # sums of those steps), "seconds" (spent on them)}. `partial`: the one this process resumed from (where the
+    # epoch continues); `saved_within`: the newest one this run wrote, or None when the newest is an epoch's end.
+    partial: Optional[dict] = None
+    saved_within: Optional[dict] = None
+    epoch_began: float = 0.0             # time.perf_counter() at the start of the epoch in progress
+    saves: Optional[dict] = None         # checkpoints within epochs: how many, and how long training waited
 
     CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "best_weights", "history",
                     "resumes", "first_loss", "tracking")
@@ -54,6 +61,7 @@ class RunState:
         self.wall_before = meta.get("wall_seconds") or (self.history[-1].get("wall_seconds", 0.0) if self.history
                                                         else 0.0)
         self.saved_epoch = self.closed_epoch = self.epoch
+        self.partial = self.saved_within = meta.get("partial")
 
     def wall_seconds(self):
         """Seconds the whole run has taken: the parts before each resume, and this process since it started."""
@@ -67,14 +75,36 @@ class RunState:
             position = f"at epoch {self.in_epoch}/{epochs}, after {self.step - self.epoch_first_step} step(s) of it"
         else:
             position = f"at the end of epoch {self.closed_epoch}/{epochs}"
+        if self.saved_within is not None:
+            saved = self.saved_within
+            return (f"{position}; --resume auto continues from {last_checkpoint} (epoch {saved['epoch']}, after step "
+                    f"{saved['steps']} of it)")
         if self.saved_epoch is None:
             return f"{position}; no checkpoint was written yet, so --resume auto starts afresh"
         return f"{position}; --resume auto continues from {last_checkpoint} (the end of epoch {self.saved_epoch})"
 
+    def carried(self, epoch, rank, world_size):
+        """(steps of `epoch` done, this rank's metric sums of them) where this process resumed from a checkpoint
+        taken within `epoch`, else (0, {}). On as many ranks as wrote it, each rank takes its own sums; on another
+        number, rank 0 takes them all (the epoch's figures are sums over every rank, so they come out the same)."""
+        p = self.partial
+        if not p or p["epoch"] != epoch:
+            return 0, {}
+        if p["world_size"] == world_size:
+            return p["steps"], dict(p["sums"][rank])
+        if rank != 0:
+            return p["steps"], {}
+        return p["steps"], {key: sum(s.get(key, 0.0) for s in p["sums"]) for key in p["sums"][0]}
+
+    def carried_seconds(self, epoch):
+        """Seconds spent on the steps of `epoch` that a checkpoint taken within it holds (0 for a fresh epoch)."""
+        return self.partial["seconds"] if self.partial and self.partial["epoch"] == epoch else 0.0
+
     # Every change to the run state is one of these methods (or load and add): the loop, the modes and AfterEpoch
     # say what happened, and RunState alone writes its fields.
     def begin_epoch(self, epoch):
-        self.in_epoch, self.epoch_first_step = epoch, self.step
+        self.in_epoch, self.epoch_first_step = epoch, self.step - self.carried(epoch, 0, 1)[0]
+        self.epoch_began = time.perf_counter() - self.carried_seconds(epoch)  # its steps before a resume included
 
     def count_step(self):
         self.step += 1
@@ -95,7 +125,19 @@ class RunState:
         """Epoch `epoch`'s record is written, and its checkpoint where `saved`."""
         self.closed_epoch = epoch
         if saved:
-            self.saved_epoch = epoch
+            self.saved_epoch, self.saved_within = epoch, None
+
+    def restart_epoch(self):
+        """The epoch a checkpoint was taken within starts over (its loader cannot continue it)."""
+        self.partial = None
+
+    def set_saves(self, figures):
+        """The checkpoints taken within epochs and the training thread's wait for them, for the summary."""
+        self.saves = figures
+
+    def saved_step(self, position):
+        """A checkpoint within an epoch is written: `position` as `partial` describes it."""
+        self.saved_within = position
 
     def set_elastic(self, figures):
         self.elastic = figures
@@ -195,32 +237,37 @@ class AfterEpoch:
         payload = self.payload(record.get("weights")) if due else None  # gathers every rank's RNG states: a
         # collective, on every rank
         # Rank 0 writes the checkpoint, then the epoch's record: a record never describes an epoch whose
-        # checkpoint failed. Every rank learns how the writing went, so a full disk stops them all together.
+        # checkpoint failed. Every rank learns how the writing went, so a full disk stops them all together (a
+        # background write's failure is learned at a later step, at the next save or at the end).
         hvd_utils.decide_on_root(lambda: self.write(epoch, record, payload, better), "epoch_outputs")
         self.state.closed(epoch, saved=payload is not None)
         return stop
 
-    def payload(self, weights=None):
+    def payload(self, weights=None, partial=None):
         """The checkpoint: everything to continue the run; under --model-ema also the average ("ema": its state
         with its update count) and which of the two this epoch's validation preferred ("weights"), which the
-        card repeats for predict and export."""
+        card repeats for predict and export. partial: where the epoch stands, for a checkpoint taken within one
+        (hvd_train/run/saves.py)."""
         t = self.trainer
         rng = hvd_utils.gather_objects(rng_state(), "rng_states")  # every rank's, in rank order
         payload = {"version": VERSION, "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
                    "scaler": t.scaler.state_dict() if t.scaler else None, "config": self.cfg.to_dict(),
                    "world_size": hvd_utils.world_size(), "rng": rng, "wall_seconds": self.state.wall_seconds(),
-                   "model_card": self.out.card, **self.out.fits, **self.state.checkpoint_fields()}
+                   "model_card": self.out.card, "partial": partial, **self.out.fits, **self.state.checkpoint_fields()}
         if t.ema is not None:
             payload.update(ema=t.ema.state_dict(), weights=weights or "model",
                            model_card={**self.out.card, "weights": weights or "model"})
         return payload
 
     def write(self, epoch, record, payload, is_best):
-        if payload is not None:
-            hist = self.cfg.checkpoint.hist
-            kept = self.state.best_epochs(self.trainer.task, hist) if hist > 1 else []
-            self.out.checkpointer.save(payload, epoch, is_best=is_best, best_epochs=kept)
-        self.out.reporter.epoch(record, committed=payload is not None)
+        if payload is None:
+            self.out.checkpointer.wait()  # an earlier epoch's record, which its checkpoint's writer adds, first
+            self.out.reporter.epoch(record, committed=False)
+            return
+        hist = self.cfg.checkpoint.hist
+        kept = self.state.best_epochs(self.trainer.task, hist) if hist > 1 else []
+        self.out.checkpointer.save(payload, epoch, is_best=is_best, best_epochs=kept,
+                                   then=lambda: self.out.reporter.epoch(record, committed=True))
 
 
 def outputs_for(cfg, info, task, is_main, state=None, run_dir=None):
@@ -228,7 +275,8 @@ def outputs_for(cfg, info, task, is_main, state=None, run_dir=None):
     writers are off. `state`: the run state of a resumed run, whose records the reporter keeps (and those after its
     checkpoint it drops)."""
     run_dir = run_dir or RunDir(cfg.run.output_dir)
-    return Outputs(run_dir, Checkpointer(run_dir.checkpoints, cfg.checkpoint.keep_last, enabled=is_main),
+    return Outputs(run_dir, Checkpointer(run_dir.checkpoints, cfg.checkpoint.keep_last, enabled=is_main,
+                                         background=cfg.checkpoint.background),
                    Reporter(run_dir, is_main, cfg.logging.tensorboard,
                             resumed_history=state.history if state is not None and state.saved_epoch else None),
                    checkpoint_fits(cfg, info, task), card_for(cfg, info, task).to_dict())

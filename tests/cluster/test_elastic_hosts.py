@@ -33,13 +33,13 @@ def elastic_job(cluster, hosts_file, out, np, script=ROOT / "train_hvd.py", scri
 def follow(job, on_line, out):
     """Read the job's output to its end, calling on_line(line) for each; returns the whole output. A job still
     running after 420 s (a hang, not slowness: these jobs take a minute or two) has its workers print their Python
-    stacks into the output (train_hvd.py's SIGUSR1; `out` is the job's --output-dir, which names its workers) and
+    stacks into the output (train_hvd.py's SIGUSR2; `out` is the job's --output-dir, which names its workers) and
     is killed 5 s later, so that the failure shows where it hung instead of being lost to pytest's own timeout."""
     lines = []
 
     def hung():
         for proc in workers_of(out):
-            proc.send_signal(signal.SIGUSR1)
+            proc.send_signal(signal.SIGUSR2)
         threading.Timer(5, job.kill).start()
 
     stopper = threading.Timer(420, hung)
