@@ -334,3 +334,24 @@ def trainer_for(model, optimizer, **opts):
 
     return Trainer(model, builtin_task("classification"), optimizer, schedule=None, device=torch.device("cpu"),
                    opts=StepOptions(**opts))
+
+
+def shard(out, *args):
+    """hvd-train shard ARGS --out OUT; returns its output."""
+    proc = subprocess.run([str(BIN / "hvd-train"), "shard", "--out", str(out), *map(str, args)], cwd=ROOT,
+                          env=job_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def digits_shards(tmp_path_factory):
+    """The digits (1,438 training and 359 validation samples) in shards of 300: 5 and 2, the last ones smaller."""
+    out = tmp_path_factory.mktemp("digits-shards")
+    shard(out, "--from", "digits", "--shard-size", "300")
+    return out
+
+
+def shard_flags(out, train="train-{000000..000004}.tar", val="val-{000000..000001}.tar"):
+    """The settings that train on the shards `digits_shards` wrote."""
+    return ["--dataset", "shards", "--data.train_shards", f"{out}/{train}", "--data.val_shards", f"{out}/{val}"]

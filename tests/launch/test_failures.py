@@ -94,11 +94,13 @@ def test_a_rank_stuck_in_its_step_is_named_with_where_it_is_stuck(tmp_path):
     assert_checkpoint_of_epoch_1_intact(tmp_path)
 
 
-def test_killing_the_checkpoint_writer_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["in the step", "background"])
+def test_killing_the_checkpoint_writer_at_any_moment_leaves_a_loadable_checkpoint(tmp_path, mode):
     rng, last_epoch = random.Random(0), 0
     for attempt in range(12):
         writer = subprocess.Popen([sys.executable, str(WORKERS / "checkpoint_writer.py"), str(tmp_path),
-                                   str(last_epoch + 1)], env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                                   str(last_epoch + 1), *(["background"] if mode == "background" else [])],
+                                  env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True)
         # Wait for one whole write (start-up is over and this machine's time for a write is known), then for the
         # next write to begin, and kill the writer at a random moment inside it.
         assert writer.stdout.readline().startswith("writing")
@@ -116,8 +118,9 @@ def test_killing_the_checkpoint_writer_at_any_moment_leaves_a_loadable_checkpoin
         assert torch.equal(last["model"]["w"], torch.arange(len(last["model"]["w"]), dtype=torch.float32) +
                            last["epoch"])
         if (tmp_path / "best.pt").exists():
-            assert checkpoint.load(str(tmp_path / "best.pt"))["epoch"] % 2 == 0
-        for path in checkpoint.epoch_files(str(tmp_path)):
+            assert checkpoint.load(str(tmp_path / "best.pt"))["epoch"] % 4 == 0
+        for path in checkpoint.epoch_files(str(tmp_path)) + checkpoint.numbered_files(str(tmp_path),
+                                                                                       checkpoint.STEP_FILE):
             checkpoint.load(path)
         last_epoch = last["epoch"]
     assert last_epoch > 0, "the writer never finished a checkpoint: the test proved nothing"

@@ -12,33 +12,14 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import BIN, QUIET, ROOT, TRAIN, assert_refused, job_env, launch, offline_shell, read_json, run_app
+from conftest import (BIN, QUIET, ROOT, TRAIN, WORKERS, assert_refused, job_env, launch, offline_shell, read_json, run_app,
+                      shard, shard_flags)
 from hvd_train.data import BadSampleError, DataError, LoaderSpec, build_loaders, check_world
 from hvd_train.data.shard_index import ShardSet, train_plan
 from formats import write_image_folder
 from hvd_train.config import DataConfig
 from hvd_train.datasets import build_datasets
 from conftest import elastic_run_losing_a_worker
-
-
-def shard(out, *args):
-    """hvd-train shard ARGS --out OUT; returns its output."""
-    proc = subprocess.run([str(BIN / "hvd-train"), "shard", "--out", str(out), *map(str, args)], cwd=ROOT,
-                          env=job_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
-
-
-@pytest.fixture(scope="module")
-def digits_shards(tmp_path_factory):
-    """The digits (1,438 training and 359 validation samples) in shards of 300: 5 and 2, the last ones smaller."""
-    out = tmp_path_factory.mktemp("digits-shards")
-    shard(out, "--from", "digits", "--shard-size", "300")
-    return out
-
-
-def flags(out, train="train-{000000..000004}.tar", val="val-{000000..000001}.tar"):
-    return ["--dataset", "shards", "--data.train_shards", f"{out}/{train}", "--data.val_shards", f"{out}/{val}"]
 
 
 def sets(out, **kw):
@@ -263,29 +244,40 @@ def test_a_missing_shard_on_the_server_is_named_in_one_line(tmp_path, http_serve
     www, url = http_server
     shard(www, "--from", "digits", "--shard-size", "300")
     (www / "train-000003.tar").unlink()
-    proc = run_app("mpirun", 2, "--output-dir", tmp_path / "out", *flags(url), check=False)
+    proc = run_app("mpirun", 2, "--output-dir", tmp_path / "out", *shard_flags(url), check=False)
     assert proc.returncode != 0
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "train-000003.tar" in line]
     assert len(lines) == 1 and "cannot read it" in lines[0] and "hvd-train shard" in lines[0], proc.stderr[-3000:]
 
 
 @pytest.mark.distributed
-def test_resuming_from_shards_reads_what_an_uninterrupted_run_reads(tmp_path, digits_shards):
-    common = [*flags(digits_shards), "--workers", "1", "--lr-schedule", "step", "--optim.lr_milestones", "1", *QUIET]
-    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "straight", "--epochs", "2", *common)
-    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "1", *common)
-    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "2", "--resume", "auto", *common)
+def test_a_job_killed_within_an_epoch_of_shards_resumes_to_the_weights_of_one_never_stopped(tmp_path, digits_shards):
+    # 2 ranks of 2 loader workers each; the plan gives every rank 16 steps in epoch 1 and 18 in epoch 2. A checkpoint
+    # every 8 steps of the run: step 24 is epoch 2's 8th, and the job dies (SIGKILL, every rank) right after it is
+    # written. The resumed
+    # run's workers skip the batches done without decoding them, and the shuffle buffers and transforms go on as in
+    # the run that never stopped.
+    common = [*shard_flags(digits_shards), "--workers", "2", "--epochs", "2", "--checkpoint.every_steps", "8", *QUIET]
+    launch("horovodrun-gloo", 2, TRAIN, "--output-dir", tmp_path / "straight", *common)
+    killed = launch("horovodrun-gloo", 2, WORKERS / "killed_after_save.py", "24", "--", "--output-dir",
+                    tmp_path / "resumed", *common, check=False)
+    assert killed.returncode != 0
+    partial = torch.load(tmp_path / "resumed" / "checkpoints" / "last.pt", weights_only=True)["partial"]
+    assert (partial["epoch"], partial["steps"]) == (2, 8), partial
+    proc = launch("horovodrun-gloo", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--resume", "auto", *common)
+    assert "resumed within epoch 2: epoch 2 continues after its step 8, as the shards' plan was" in proc.stdout
     straight = torch.load(tmp_path / "straight" / "checkpoints" / "last.pt", weights_only=True)
     resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.pt", weights_only=True)
     for name, value in straight["model"].items():
         assert torch.equal(value, resumed["model"][name]), f"{name} differs after resuming"
     history = [read_json(tmp_path / run / "summary.json")["history"] for run in ("straight", "resumed")]
     assert [h["train_loss"] for h in history[0]] == [h["train_loss"] for h in history[1]]
+    assert [h["train_count"] for h in history[0]] == [h["train_count"] for h in history[1]]
     assert all(h["val_count"] == 359 for h in history[0] + history[1])
 
 
 def test_a_run_refused_for_its_shards_says_so_once(tmp_path, app, digits_shards):
-    assert_refused(app("--output-dir", tmp_path / "out", *flags(digits_shards), "--batch-size", "1500"),
+    assert_refused(app("--output-dir", tmp_path / "out", *shard_flags(digits_shards), "--batch-size", "1500"),
                    "a step takes 1500 samples per rank")
     assert not (tmp_path / "out").exists()
 
@@ -293,7 +285,7 @@ def test_a_run_refused_for_its_shards_says_so_once(tmp_path, app, digits_shards)
 @pytest.mark.distributed
 def test_an_elastic_reset_reads_the_epoch_again_whole_for_the_workers_left(tmp_path, digits_shards):
     out = tmp_path / "run"
-    elastic_run_losing_a_worker(tmp_path, "--output-dir", out, *flags(digits_shards), "--batch-size", "16")
+    elastic_run_losing_a_worker(tmp_path, "--output-dir", out, *shard_flags(digits_shards), "--batch-size", "16")
     summary = read_json(out / "summary.json")
     assert [h["epoch"] for h in summary["history"]] == [1, 2, 3] and summary["world_size"] == 1
     assert all(h["val_count"] == 359 for h in summary["history"])  # validation whole, before and after the reset
