@@ -174,6 +174,8 @@ def _watch(read_fd):
         data = os.read(read_fd, 16)
         if any(b in SIGNALS for b in data):
             break
+    if g.save_first and g.signum in SAVE_FIRST:
+        announce()
     with g.cond:
         # A save-first signal: the training loop saves at its next step and stops the process itself; as long as
         # it moves (steps, validation batches) it is let be. A write under way is always finished.
@@ -185,6 +187,21 @@ def _watch(read_fd):
     # nothing else would end it.
     threading.Event().wait(STUCK_EXIT_S)
     os._exit(Interrupted(g.signum or signal.SIGTERM).exit_code)
+
+
+def announce():
+    """Say at once (the reporting rank) that a signal has the run save at its next step and stop: the line stays
+    even where the process is killed before the checkpoint is written."""
+    if not _guard.report_here:
+        return
+    where = ""
+    if _guard.describe is not None:
+        try:
+            where = " " + _guard.describe().split(";")[0]
+        except Exception:  # the state may be mid-update in the main thread
+            pass
+    say(f"train_hvd.py: {signal.Signals(_guard.signum).name}{where}: every rank saves a checkpoint at its next step, "
+        f"then stops")
 
 
 def report():

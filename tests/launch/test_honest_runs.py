@@ -70,12 +70,12 @@ def test_a_full_disk_stops_every_rank_with_one_message_and_resuming_keeps_one_re
 # Interruptions
 
 
-def start(launcher, np, run, log, *args, script=TRAIN, script_args=()):
+def start(launcher, np, run, log, *args, script=TRAIN, script_args=(), env=None):
     """Start a long run in its own process group, as a shell starts a job; returns the Popen."""
     cmd = launch_command(launcher, np, [str(script), *map(str, script_args), "--output-dir", str(run), *QUIET,
                                         TENSORBOARD, "--epochs", "300", *map(str, args)])
-    return subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env={**job_env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
 
 
 def finished_epochs(run):
@@ -84,8 +84,9 @@ def finished_epochs(run):
 
 def interrupted(proc, log, *signums):
     """The job ended on one of the signals (horovodrun --gloo turns a Ctrl-C into SIGTERM for the ranks), and the
-    launcher's own exit status says so; returns its output and the epoch its message says --resume auto continues
-    from."""
+    launcher's own exit status says so; returns its output and the epochs done in the checkpoint its message says
+    --resume auto continues from (a checkpoint taken within epoch N, which SIGTERM and SIGUSR1 have written at the
+    next step: N - 1)."""
     try:
         proc.wait(timeout=300)
     finally:
@@ -95,13 +96,17 @@ def interrupted(proc, log, *signums):
     name = "(?:" + "|".join(signal.Signals(n).name for n in signums) + ")"
     assert proc.returncode != 0, output[-3000:]
     assert "Traceback" not in app_output(output), output[-3000:]
-    said = re.findall(rf"train_hvd.py: interrupted by {name} at (epoch (\d+)/300, after \d+ step\(s\) of it|the end "
-                      rf"of epoch (\d+)/300); --resume auto continues from (\S+) \(the end of epoch (\d+)\)", output)
+    said = re.findall(rf"train_hvd.py: interrupted by {name} at (epoch (\d+)/300, after (\d+) step\(s\) of it|the "
+                      rf"end of epoch (\d+)/300); --resume auto continues from (\S+) \((?:the end of epoch (\d+)|"
+                      rf"epoch (\d+), after step (\d+) of it)\)", output)
     assert len(said) == 1, output[-3000:]
-    _, running, ended, last, saved = said[0]
+    _, running, steps, ended, last, saved, within, saved_steps = said[0]
+    assert last.endswith("checkpoints/last.pt")
+    if within:  # saved at the step every rank stopped at
+        assert (running, steps) == (within, saved_steps), said
+        return output, int(within) - 1
     # Mid-epoch: the checkpoint is the previous epoch's (one each epoch); at an epoch's end, that epoch's.
     assert (int(running) == int(saved) + 1) if running else (int(ended) == int(saved)), said
-    assert last.endswith("checkpoints/last.pt")
     return output, int(saved)
 
 
@@ -117,7 +122,8 @@ def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_pat
     run, log = tmp_path / "run", tmp_path / "log"
     np = 1 if launcher == "single" else 2
     with open(log, "w") as out:
-        proc = start(launcher, np, run, out)
+        # mpirun kills the ranks 1 s after its SIGTERM unless told to wait longer, as slurm_train.sbatch tells it.
+        proc = start(launcher, np, run, out, env={"OMPI_MCA_odls_base_sigkill_timeout": "30"})
         wait_for(lambda: len(finished_epochs(run)) >= 2 or proc.poll() is not None, "two epochs")
         (os.killpg if target == "group" else os.kill)(proc.pid, signum)
         # What the README says: one process reports the signal and exits 128 + it; horovodrun and mpirun catch
@@ -133,6 +139,29 @@ def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_pat
     assert not (run / "summary.json").exists()
     train(launcher, np, run, "--epochs", saved + 1, "--resume", "auto")
     assert epochs_in(run) == list(range(1, saved + 2))
+
+
+@pytest.mark.distributed
+def test_slurm_s_warning_saves_at_a_step_every_rank_agrees_on_and_exits_to_be_requeued(tmp_path):
+    # SIGUSR1, as SLURM's --signal=B:USR1@SECONDS sends it to the batch script and the script to mpirun, which passes
+    # it to every rank: the ranks agree on a step, rank 0 writes a checkpoint there, and every rank exits 75.
+    run, log = tmp_path / "run", tmp_path / "log"
+    with open(log, "w") as out:
+        proc = start("mpirun", 2, run, out)
+        wait_for(lambda: len(finished_epochs(run)) >= 1 or proc.poll() is not None, "an epoch")
+        proc.send_signal(signal.SIGUSR1)
+        output, saved = interrupted(proc, log, signal.SIGUSR1)
+    assert proc.returncode == 75, output[-3000:]
+    assert re.search(r"train_hvd.py: SIGUSR1 at epoch \d+/300, after \d+ step\(s\) of it: every rank saves a "
+                     r"checkpoint at its next step, then stops", output), output[-3000:]
+    last = checkpoint.load(str(run / "checkpoints" / "last.pt"))
+    position = last["partial"]
+    assert last["epoch"] == saved == position["epoch"] - 1 and len(position["sums"]) == 2  # both ranks' sums
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*.pt")) == [f"step_{last['step']:08d}.pt"]
+    proc = train("mpirun", 2, run, "--epochs", position["epoch"], "--resume", "auto")
+    assert (f"resumed within epoch {position['epoch']}: epoch {position['epoch']} continues after its step "
+            f"{position['steps']}, each rank where it was") in proc.stdout
+    assert epochs_in(run) == list(range(1, position["epoch"] + 1))
 
 
 def test_horovodrun_keeps_the_exit_status_of_a_rank_it_ends():

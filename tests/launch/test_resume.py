@@ -148,3 +148,28 @@ def test_a_corrupt_checkpoint_is_named(tmp_path, app):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"PK\x03\x04 definitely not a zip")
     assert_refused(app("--output-dir", tmp_path / "out", "--resume", bad), f"{bad}: not a checkpoint, or one cut short")
+
+
+def test_checkpoints_every_few_minutes_follow_rank_0_s_clock(tmp_path, app, monkeypatch):
+    # The clock the saves read, made to run 20 s a step: with --checkpoint.every_minutes 1 a checkpoint follows every
+    # third step or so, at steps rank 0's clock chose, and the last one is an epoch's end.
+    from hvd_train.run import saves
+
+    ticks = iter(range(0, 10**6, 20))
+    monkeypatch.setattr(saves.time, "monotonic", lambda: next(ticks))
+    result = app("--output-dir", tmp_path, "--epochs", 1, "--checkpoint.every_minutes", 1, "--data.val_fraction", 0.9)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = read_json(tmp_path / "summary.json")
+    within = summary["checkpoints_within_epochs"]
+    assert within["count"] >= 2 and within["background"] and summary["last_checkpoint"]["end_of_epoch"]
+    assert result.stdout.count("checkpoint within epoch 1, after step") == within["count"]
+
+
+def test_checkpoints_within_epochs_change_nothing_of_the_training(tmp_path, app):
+    # The same run with and without them: the same weights, bit for bit (the saves draw no random number and the
+    # training thread only waits for a copy).
+    train_here(app, tmp_path / "plain", "--epochs", 1)
+    train_here(app, tmp_path / "saving", "--epochs", 1, "--checkpoint.every_steps", 5)
+    plain, saving = last_checkpoint(tmp_path / "plain"), last_checkpoint(tmp_path / "saving")
+    assert all(torch.equal(value, saving["model"][name]) for name, value in plain["model"].items())
+    assert read_json(tmp_path / "saving" / "summary.json")["checkpoints_within_epochs"]["count"] == 44 // 5

@@ -328,3 +328,35 @@ def test_a_corrupt_image_met_in_a_loader_worker_keeps_its_one_line_message(tmp_p
     with pytest.raises(BadSampleError) as err:
         [batch for loader in loaders[:2] for batch in loader]
     assert str(err.value).startswith(f"{jpeg}: cannot read this image") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("world_was, world_size", [(2, 2), (2, 1), (2, 3), (3, 2)])
+def test_the_rest_of_an_epoch_is_every_sample_not_yet_read_dealt_once(world_was, world_size):
+    from torch.utils.data import DistributedSampler
+
+    from hvd_train.data.samplers import rest_of_epoch
+
+    dataset, seed, epoch, done = list(range(60)), 7, 3, 4  # 60 samples: no padding on 2 or 3 ranks before
+    read = []
+    for r in range(world_was):
+        shard = DistributedSampler(dataset, num_replicas=world_was, rank=r, shuffle=True, seed=seed)
+        shard.set_epoch(epoch)
+        read.append(list(shard))
+    rest = [rest_of_epoch(dataset, seed, epoch, world_was, done, r, world_size) for r in range(world_size)]
+    if world_size == world_was:  # each rank goes on with its own shard, in its order
+        assert rest == [shard[done:] for shard in read]
+    assert len({len(share) for share in rest}) == 1  # every rank as many steps
+    before, after = [i for shard in read for i in shard[:done]], [i for share in rest for i in share]
+    # Every sample once over the epoch: those read before, and the rest (whose only repeats pad the shares to equal
+    # length, as DistributedSampler pads).
+    assert sorted(before + list(dict.fromkeys(after))) == dataset
+    assert len(after) - len(set(after)) < world_size
+
+
+def test_a_loader_worker_s_batches_before_a_step_follow_the_loader_s_turns():
+    from hvd_train.data.shards import batches_before
+
+    assert batches_before([3, 3], 4) == [2, 2]
+    assert batches_before([3, 3], 5) == [3, 2]
+    assert batches_before([1, 4], 4) == [1, 3]  # a worker that has run out is passed over
+    assert batches_before([2], 2) == [2]
