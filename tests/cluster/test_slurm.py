@@ -1,13 +1,17 @@
 """SLURM for real: a one-machine cluster (munged, slurmctld and slurmd with a minimal configuration in a temporary
 directory) runs hostfiles/slurm_train.sbatch with 2 tasks. generate.py reads the allocation through the real
-scontrol, and a job requeued mid-run continues from its last checkpoint (--resume auto). Skipped, with the reason,
-where SLURM is not installed or cannot start."""
+scontrol and the run its time limit through the real squeue; a job warned ahead of its time limit saves at a step,
+requeues itself and continues within the epoch, and, preempted (requeued from outside), does it again; it ends with
+the weights of a run never stopped. Skipped, with the reason, where SLURM is not installed or cannot start."""
 import os
+import re
 import shutil
 import socket
 import subprocess
+import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, free_port, job_env, read_json, wait_for
 
@@ -96,40 +100,94 @@ def job_state(env, job):
     return next((w.split("=", 1)[1] for w in proc.stdout.split() if w.startswith("JobState=")), "GONE")
 
 
-def test_sbatch_trains_with_two_tasks_and_a_requeued_job_resumes(slurm, tmp_path):
+# The job's settings; the reference run outside SLURM trains with the same ones. A checkpoint every 40 steps (an
+# epoch is 89 steps of 8 per rank), and each step paced to take at least 40 ms (tests/workers/paced), so that the
+# job is still running when the test signals it, however fast the machine.
+JOB = ["--epochs", "4", "--batch-size", "8", "--checkpoint.every_steps", "40", "--logging.progress=false"]
+PACED = {"PYTHONPATH": f"{ROOT / 'tests' / 'workers' / 'paced'}{os.pathsep}{ROOT}", "HVD_TEST_STEP_PAUSE_S": "0.04"}
+
+
+def test_a_warned_then_preempted_job_requeues_itself_and_ends_with_the_weights_of_one_never_stopped(slurm, tmp_path):
     log = tmp_path / "job.log"
     # The script's GPU request and two nodes, replaced for this one CPU node; every other line is as shipped. No
-    # --output-dir: the script's own, runs/slurm-<job name>-<job id>, is this job's alone and survives its requeue.
+    # --output-dir: the script's own, runs/slurm-<job name>-<job id>, is this job's alone and survives its requeues.
     name = f"hvd-test-{os.getpid()}"
     proc = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
                            "--cpus-per-task=1", "--open-mode=append", f"--output={log}", f"--job-name={name}",
-                           str(ROOT / "hostfiles" / "slurm_train.sbatch"), "--epochs", "10",
-                           "--batch-size", "8", "--logging.progress=false"],
-                          cwd=ROOT, env=slurm, capture_output=True, text=True, timeout=60)
+                           str(ROOT / "hostfiles" / "slurm_train.sbatch"), *JOB],
+                          cwd=ROOT, env={**slurm, **PACED}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip().split(";")[0]
     out = ROOT / "runs" / f"slurm-{name}-{job}"
+    # The same training, never stopped: mpirun as the script runs it, one thread per rank as SLURM gives it.
+    reference = subprocess.Popen(["mpirun", "-np", "2", "--oversubscribe", "-bind-to", "none", "-x",
+                                  "OMP_NUM_THREADS=1", sys.executable, str(ROOT / "train_hvd.py"), "--output-dir",
+                                  str(tmp_path / "reference"), *JOB], cwd=ROOT, env=job_env(),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
-        trained_and_resumed(slurm, job, out, log)
+        warned_preempted_and_finished(slurm, job, out, log)
+        assert reference.wait(timeout=600) == 0
+        straight = torch.load(tmp_path / "reference" / "checkpoints" / "last.pt", weights_only=True)
+        stopped = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+        for key, value in straight["model"].items():
+            assert torch.equal(value, stopped["model"][key]), f"{key} differs from the run that never stopped"
+        assert straight["step"] == stopped["step"] == 4 * 89  # 719 samples a rank: 89 full batches of 8
     finally:
+        reference.kill()
         shutil.rmtree(out, ignore_errors=True)
 
 
-def trained_and_resumed(slurm, job, out, log):
-    # As soon as the first checkpoint is written, SLURM requeues the job (a preemption, a node failure); the nine
-    # epochs still to train keep it running until the requeue arrives.
-    wait_for(lambda: (out / "checkpoints" / "last.pt").exists() or job_state(slurm, job) in ("FAILED", "GONE"),
-             "the first checkpoint", seconds=300)
+def warned_preempted_and_finished(slurm, job, out, log):
+    def parts():
+        return log.read_text().count("hvd-train default: 2 rank(s)") if log.exists() else 0
+
+    # SLURM's warning (what --signal=B:USR1@300 sends the batch script ahead of the time limit), once epoch 1 is
+    # written: the ranks save at a step and exit 75, and the script requeues the job.
+    wait_for(lambda: epochs_done(out) >= 1 or job_state(slurm, job) in ("FAILED", "GONE"), "epoch 1", seconds=300)
+    warn = subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, capture_output=True, text=True)
+    assert warn.returncode == 0, warn.stderr
+    # The requeued job continues within the epoch; then a preemption (scontrol requeue: SIGTERM to every process)
+    # once it has written a checkpoint of its own.
+    wait_for(lambda: parts() >= 2 or job_state(slurm, job) in ("FAILED", "GONE"), "the job's second start",
+             seconds=300)
+    first = checkpoint_step(out)
+    wait_for(lambda: checkpoint_step(out) > first or job_state(slurm, job) in ("FAILED", "GONE", "COMPLETED"),
+             "a checkpoint of the second start", seconds=300)
     requeue = subprocess.run(["scontrol", "requeue", job], env=slurm, capture_output=True, text=True)
     assert requeue.returncode == 0, requeue.stderr
-    wait_for(lambda: job_state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), "the requeued job",
-             seconds=600)
+    wait_for(lambda: parts() >= 3 and job_state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"),
+             "the job to finish", seconds=600)
     output = log.read_text()
     assert job_state(slurm, job) == "COMPLETED", output[-3000:]
-    # generate.py read the allocation through scontrol: this node, 2 slots.
+    # generate.py read the allocation through scontrol: this node, 2 slots. The run read its time limit (24 h).
     assert f"1 host(s), 2 slot(s): {socket.gethostname().split('.')[0]}:2" in output
-    assert "resuming after epoch" in output  # the second start continued from the checkpoint
+    assert re.search(r"SLURM time limit in 8\d{4} s: a checkpoint and a stop \(exit 75, to be requeued\) 300 s "
+                     r"before it", output), output[-3000:]
+    assert re.search(r"train_hvd.py: interrupted by SIGUSR1 at epoch \d/4, after \d+ step\(s\) of it; --resume auto "
+                     r"continues from \S+ \(epoch \d, after step \d+ of it\)", output), output[-3000:]
+    assert f"hvd-train stopped to be continued: requeueing job {job}" in output
+    assert output.count("resumed within epoch") == 2, output[-3000:]
     summary = read_json(out / "summary.json")
     assert summary["world_size"] == 2 and summary["params_in_sync"]
-    assert [h["epoch"] for h in summary["history"]] == list(range(1, 11))
-    assert summary["final_val_acc1"] > 90.0
+    assert [h["epoch"] for h in summary["history"]] == [1, 2, 3, 4] and len(summary["resumes"]) == 2
+
+
+def epochs_done(out):
+    metrics = out / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def checkpoint_step(out):
+    """The run step of the newest checkpoint (0 before the first); it is replaced whole, never half-written."""
+    try:
+        return torch.load(out / "checkpoints" / "last.pt", weights_only=True)["step"]
+    except (FileNotFoundError, RuntimeError):
+        return 0
+
+
+@pytest.mark.parametrize("text, seconds", [("1-02:03:04", 93784), ("02:03:04", 7384), ("03:04", 184), ("0:05", 5),
+                                           ("UNLIMITED", None), ("NOT_SET", None), ("INVALID", None), ("", None)])
+def test_squeue_s_time_left_is_read_in_all_its_forms(text, seconds):
+    from hvd_train.guards.time_limit import parse_time_left
+
+    assert parse_time_left(text) == seconds

@@ -3,6 +3,7 @@ where it continued, drops records the checkpoint does not cover, and refuses a c
 model, data set, image size or optimizer; a finished run; a file that is not a checkpoint) with the setting named.
 Resumes of one feature (shards, plug-ins, tracking, compile, channels-last, SLURM's requeue) sit with that feature."""
 import os
+import re
 import shutil
 
 import pytest
@@ -173,3 +174,22 @@ def test_checkpoints_within_epochs_change_nothing_of_the_training(tmp_path, app)
     plain, saving = last_checkpoint(tmp_path / "plain"), last_checkpoint(tmp_path / "saving")
     assert all(torch.equal(value, saving["model"][name]) for name, value in plain["model"].items())
     assert read_json(tmp_path / "saving" / "summary.json")["checkpoints_within_epochs"]["count"] == 44 // 5
+
+
+def test_a_run_ahead_of_its_slurm_time_limit_saves_at_a_step_and_exits_to_be_requeued(tmp_path, app, monkeypatch):
+    # squeue says 400 s are left (tests/cluster/test_slurm.py reads the real one), and the clock runs 20 s a step:
+    # with the default 300 s margin the run saves and stops within a few steps, exit 75 for the batch script.
+    from hvd_train.guards import time_limit
+
+    ticks = iter(range(0, 10**6, 20))
+    monkeypatch.setattr(time_limit.time, "monotonic", lambda: next(ticks))
+    monkeypatch.setattr(time_limit, "slurm_seconds_left", lambda: 400)
+    result = app("--output-dir", tmp_path, "--epochs", 2)
+    assert result.returncode == 75, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "SLURM time limit in 400 s: a checkpoint and a stop (exit 75, to be requeued) 300 s before it" in \
+        result.stdout
+    said = re.search(r"train_hvd.py: stopped ahead of the job's time limit \(SLURM\) at epoch 1/2, after (\d+) "
+                     r"step\(s\) of it; --resume auto continues from \S+last.pt \(epoch 1, after step (\d+) of it\)",
+                     result.stderr)
+    assert said and said.group(1) == said.group(2), result.stderr[-3000:]
+    assert last_checkpoint(tmp_path)["partial"]["steps"] == int(said.group(1)) < 44
