@@ -10,6 +10,7 @@ bench/results/<date>.json and .md and prints the table.
     python bench/run.py --sections peer,comm,allreduce   # the communication figures (about 15 minutes)
     python bench/run.py --sections data   # loaders (image folder, tar shards) against a training step
     python bench/run.py --sections recipe   # plain vs default augmentation vs the full recipe, and timm's loop
+    python bench/run.py --sections checkpoint   # the training step's stall per checkpoint, in the step vs background
 """
 import argparse
 import datetime
@@ -28,7 +29,8 @@ from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row
 
 PY = sys.executable
 BIN = os.path.dirname(PY)
-SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "tuning", "compile", "accuracy", "data", "recipe")
+SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "tuning", "compile", "accuracy", "data", "recipe",
+            "checkpoint")
 APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
 APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
 # Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
@@ -422,6 +424,45 @@ def section_recipe(b):
                  "compared": f"a plain one-process loop (bench/recipe_peer.py), same data, {epochs} epochs",
                  "values": top1, **mean_sd(top1)})
     return rows
+
+
+def section_checkpoint(b):
+    """What a checkpoint within an epoch costs the training thread: ResNet-50 with SGD momentum (25.6M parameters, a
+    205 MB checkpoint), one rank, written every few steps in the step (--checkpoint.background false) or by a thread
+    of its own from a copy in memory (the default). Two figures, each background / in the step, alternated: the
+    training thread's wait per save (the summary's mean_stall_s), and the epoch's extra time per save against the
+    same run without saves (what the writer thread's work also costs the steps around it)."""
+    model, size, batch, steps, every = ("small_cnn", 28, 8, 8, 4) if b.args.quick else ("resnet50", 32, 8, 24, 6)
+    env = job_env()
+
+    def epoch(mode):
+        out = b.out(f"checkpoint-{mode}")
+        saves = [] if mode == "none" else ["--checkpoint.every_steps", str(every),
+                                           "--checkpoint.background", str(mode == "background").lower()]
+        run([PY, "train_hvd.py", "--dataset", "synthetic", "--model", model, "--image-size", str(size),
+             "--data.synthetic_samples", str(steps * batch), "--batch-size", str(batch), "--epochs", "1",
+             "--output-dir", out, "--logging.progress", "false", "--logging.tensorboard", "false",
+             "--logging.plot", "false", *saves], env)
+        with open(os.path.join(out, "summary.json")) as f:
+            summary = json.load(f)
+        within = summary.get("checkpoints_within_epochs") or {}
+        return summary["history"][0]["epoch_seconds"], within.get("mean_stall_s"), within.get("count", 0)
+
+    runs = {"none": [], "background": [], "step": []}
+    for i in range(b.args.repeats):
+        for mode in (("none", "background", "step") if i % 2 == 0 else ("step", "background", "none")):
+            runs[mode].append(epoch(mode))
+    base = [r[0] for r in runs["none"]]
+    count = runs["step"][0][2]
+
+    def extra(mode):
+        return [(r[0] - t) / max(1, r[2]) for r, t in zip(runs[mode], base)]
+
+    setting = f"{model} {size}px batch {batch}, {count} saves in {steps} steps"
+    return [ratio_row(f"checkpoint stall per save, {setting}", "background / in the step: the training thread's "
+                      "wait", "<= 0.2", [r[1] for r in runs["background"]], [r[1] for r in runs["step"]], unit="s"),
+            ratio_row(f"checkpoint cost per save, {setting}", "background / in the step: the epoch's extra time "
+                      "against no saves", "<= 0.2", extra("background"), extra("step"), unit="s")]
 
 
 def mean_sd(values):
