@@ -97,7 +97,7 @@ def test_a_rank_stuck_in_its_step_is_named_with_where_it_is_stuck(tmp_path):
 @pytest.mark.parametrize("mode", ["in the step", "background"])
 def test_killing_the_checkpoint_writer_at_any_moment_leaves_a_loadable_checkpoint(tmp_path, mode):
     rng, last_epoch = random.Random(0), 0
-    for attempt in range(12):
+    for attempt in range(8):
         writer = subprocess.Popen([sys.executable, str(WORKERS / "checkpoint_writer.py"), str(tmp_path),
                                    str(last_epoch + 1), *(["background"] if mode == "background" else [])],
                                   env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True)
