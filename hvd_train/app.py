@@ -89,6 +89,11 @@ def settle(cfg, rt):
     for note in getattr(cfg, "notes", ()):  # a resume or evaluation given a setting again, changed
         log.info("changed from the run's recorded settings: %s", note)
     interrupt.install(report=rt.is_main)
+    if rt.device.type == "cuda" and rt.size > 1 and not hvd_utils.gpu_tensors_supported():
+        # Every rank sees the same build: they all stop here, before Horovod is handed a CUDA tensor and aborts.
+        raise ConfigError("this Horovod was built without CUDA (horovodrun --check-build lists no NCCL), so the ranks "
+                          "cannot average gradients on their GPUs; rebuild it with `scripts/install.sh --gpu`, or "
+                          "train on the CPUs with --device cpu")
     torch.manual_seed(cfg.run.seed + rt.rank)  # different dropout per rank; the weights come from rank 0
     # (An elastic worker checks alone: one that joins later must not run a collective outside Horovod's loop.)
     if cfg.horovod.elastic:

@@ -11,11 +11,11 @@ from hvd_utils.rank0 import broadcast_module, decide_on_root
 from hvd_utils import timeline
 from hvd_utils.data import shard_sampler
 from hvd_utils.vote import StepVote
-from hvd_utils.runtime import (PeerFailure, Runtime, init, launcher_rank, pin_to_local_rank, rank, run_on_local_root,
-                               shutdown, start, world_size)
+from hvd_utils.runtime import (PeerFailure, Runtime, gpu_tensors_supported, init, launcher_rank, pin_to_local_rank,
+                               rank, run_on_local_root, shutdown, start, world_size)
 
-__all__ = ["timeline", "PeerFailure", "Runtime", "init", "start", "pin_to_local_rank", "shard_sampler",
-           "launcher_rank", "run_on_local_root", "shutdown", "world_size",
+__all__ = ["timeline", "PeerFailure", "Runtime", "gpu_tensors_supported", "init", "start", "pin_to_local_rank",
+           "shard_sampler", "launcher_rank", "run_on_local_root", "shutdown", "world_size",
            "lr_scale", "distributed_optimizer", "apply_gradients", "average_buffers", "broadcast_state",
            "sync_batch_norm", "decide_on_root", "broadcast_module", "rank", "allreduce_sums",
            "sum_across_ranks", "gather_floats", "gather_objects",

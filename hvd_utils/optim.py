@@ -94,6 +94,8 @@ def broadcast_state(model, optimizer=None, root_rank=0):
     The optimizer state goes first: on a rank with empty state, Horovod initialises it with one zero-gradient step,
     which moves parameters under weight decay; broadcasting the parameters afterwards undoes that.
     """
+    if hvd.size() == 1:  # nobody to copy to (and a CPU-only Horovod build cannot even look at CUDA tensors)
+        return
     with default_layout(model, optimizer):  # Horovod takes channels-last weights in the default layout only
         if optimizer is not None:
             hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)

@@ -168,6 +168,12 @@ def pin_to_local_rank(cpu=False):
         autotune=autotune_on() and hvd.size() > 1)
 
 
+def gpu_tensors_supported():
+    """Whether this Horovod build can reduce tensors on a GPU (built with CUDA or ROCm: NCCL, or MPI/Gloo through
+    host copies). A CPU-only build aborts the process on the first CUDA tensor it is given."""
+    return hvd.cuda_built() or hvd.rocm_built()
+
+
 def _uses_gpu(cpu):
     return torch.cuda.is_available() and not cpu
 

@@ -119,8 +119,8 @@ def test_killing_the_checkpoint_writer_at_any_moment_leaves_a_loadable_checkpoin
                            last["epoch"])
         if (tmp_path / "best.pt").exists():
             assert checkpoint.load(str(tmp_path / "best.pt"))["epoch"] % 4 == 0
-        for path in checkpoint.epoch_files(str(tmp_path)) + checkpoint.numbered_files(str(tmp_path),
-                                                                                       checkpoint.STEP_FILE):
+        written = checkpoint.epoch_files(str(tmp_path))
+        for path in written + checkpoint.numbered_files(str(tmp_path), checkpoint.STEP_FILE):
             checkpoint.load(path)
         last_epoch = last["epoch"]
     assert last_epoch > 0, "the writer never finished a checkpoint: the test proved nothing"

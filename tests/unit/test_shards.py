@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import (BIN, QUIET, ROOT, TRAIN, WORKERS, assert_refused, job_env, launch, offline_shell, read_json, run_app,
-                      shard, shard_flags)
+from conftest import (BIN, QUIET, ROOT, TRAIN, WORKERS, assert_refused, job_env, launch, offline_shell, read_json,
+                      run_app, shard, shard_flags)
 from hvd_train.data import BadSampleError, DataError, LoaderSpec, build_loaders, check_world
 from hvd_train.data.shard_index import ShardSet, train_plan
 from formats import write_image_folder
