@@ -145,6 +145,10 @@ def train(cfg, rt, data, trainer, loaders):
             # A full disk stops every worker with one line, as in a fixed run (every worker is in this loop).
             write_config_everywhere(outputs.run_dir, cfg)
             log_setup(cfg, rt, data.info, trainer, st.epoch - 1)
+            if cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes:
+                log.info("--elastic writes checkpoints at epoch ends only: within an epoch its commits (every "
+                         "--horovod.commit_every steps) carry the steps across a reset, and a restart of the whole "
+                         "job starts the epoch over; --checkpoint.every_steps/every_minutes are for fixed jobs")
             st.commit()
         attach_profiler(trainer, cfg, rt, outputs.run_dir)  # once the directory is claimed (by this or another)
         # Validation shards follow the current set of workers (and tar shards' training plan too).
