@@ -1,8 +1,9 @@
 """Ctrl-C, SIGTERM and SIGUSR1: the run says where it stopped and where `--resume auto` continues; while training, a
 SIGTERM or SIGUSR1 first has a checkpoint written at the next step, and a checkpoint being written is finished.
 
-Who sends what: Ctrl-C on mpirun, or SIGINT/SIGTERM to it, makes mpirun send SIGTERM to every rank and SIGKILL one
-second later (OMPI_MCA_odls_base_sigkill_timeout raises that; mpirun passes SIGUSR1 on as it is); horovodrun --gloo
+Who sends what: Ctrl-C on mpirun, or SIGINT/SIGTERM to it, makes mpirun send SIGTERM to every rank a second later
+and SIGKILL a second after that (OMPI_MCA_odls_base_sigkill_timeout sets both waits; mpirun passes SIGUSR1 on at
+once); horovodrun --gloo
 sends SIGTERM and SIGKILL after 5 s; SLURM sends SIGTERM to every task and SIGKILL after its KillWait (30 s by
 default), and with `#SBATCH --signal=B:USR1@SECONDS` SIGUSR1 to the batch script that long before the time limit.
 

@@ -122,8 +122,9 @@ def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_pat
     run, log = tmp_path / "run", tmp_path / "log"
     np = 1 if launcher == "single" else 2
     with open(log, "w") as out:
-        # mpirun kills the ranks 1 s after its SIGTERM unless told to wait longer, as slurm_train.sbatch tells it.
-        proc = start(launcher, np, run, out, env={"OMPI_MCA_odls_base_sigkill_timeout": "30"})
+        # mpirun passes its SIGTERM on to the ranks after OMPI_MCA_odls_base_sigkill_timeout seconds and kills them as
+        # long after it: 1 s by default, which a checkpoint at the next step may need more than on a busy machine.
+        proc = start(launcher, np, run, out, env={"OMPI_MCA_odls_base_sigkill_timeout": "3"})
         wait_for(lambda: len(finished_epochs(run)) >= 2 or proc.poll() is not None, "two epochs")
         (os.killpg if target == "group" else os.kill)(proc.pid, signum)
         # What the README says: one process reports the signal and exits 128 + it; horovodrun and mpirun catch

@@ -15,27 +15,28 @@ from conftest import (QUIET, TRAIN, WORKERS, assert_refused, epochs_in, last_che
 
 @pytest.mark.distributed
 def test_resuming_is_bitwise_exact_from_an_epoch_s_end_and_from_within_an_epoch(tmp_path):
-    # Warmup, then a step decay at epoch 3, momentum and dropout: every piece of state matters. So do the seeded
-    # draws of augmentation (RandAugment, erasing) in loader workers, of mixup/CutMix, and the weight average.
-    # The resumed run stops twice: at the end of epoch 2, and killed (SIGKILL, every rank and its loader workers)
-    # right after the checkpoint of run step 52, the 8th of epoch 3's 22 (one every 13 steps).
-    common = ["--lr-schedule", "step", "--optim.lr_milestones", "3", "--warmup-epochs", "1", "--model-ema",
+    # Warmup (half an epoch), then a step decay at epoch 2, momentum and dropout: every piece of state matters. So do
+    # the seeded draws of augmentation (RandAugment, erasing) in loader workers, of mixup/CutMix, and the weight
+    # average.
+    # The resumed run stops twice: at the end of epoch 1, and killed (SIGKILL, every rank and its loader workers)
+    # right after the checkpoint of run step 30, the 8th of epoch 2's 22 (one every 10 steps).
+    common = ["--lr-schedule", "step", "--optim.lr_milestones", "2", "--warmup-epochs", "0.5", "--model-ema",
               "--model-ema-warmup", "--mixup", "0.4", "--cutmix", "1.0", "--aa", "rand-m7-mstd0.5", "--reprob", "0.3",
-              "--workers", "2", "--checkpoint.every_steps", "13", *QUIET]
-    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "straight", "--epochs", "4", *common)
-    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "2", *common)
-    killed = launch("mpirun", 2, WORKERS / "killed_after_save.py", "52", "--", "--output-dir", tmp_path / "resumed",
-                    "--epochs", "4", "--resume", "auto", *common, check=False)
-    assert killed.returncode != 0 and "resuming after epoch 2" in killed.stdout
+              "--workers", "2", "--checkpoint.every_steps", "10", *QUIET]
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "straight", "--epochs", "3", *common)
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "1", *common)
+    killed = launch("mpirun", 2, WORKERS / "killed_after_save.py", "30", "--", "--output-dir", tmp_path / "resumed",
+                    "--epochs", "3", "--resume", "auto", *common, check=False)
+    assert killed.returncode != 0 and "resuming after epoch 1" in killed.stdout
     within = last_checkpoint(tmp_path / "resumed")
-    assert (within["epoch"], within["step"], within["partial"]["epoch"], within["partial"]["steps"]) == (2, 52, 3, 8)
-    assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints"))[-1] == "step_00000052.pt"
+    assert (within["epoch"], within["step"], within["partial"]["epoch"], within["partial"]["steps"]) == (1, 30, 2, 8)
+    assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints"))[-1] == "step_00000030.pt"
     shutil.copytree(tmp_path / "resumed", tmp_path / "on-one-rank")
-    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "4", "--resume", "auto",
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "3", "--resume", "auto",
                   *common)
-    assert "resumed within epoch 3: epoch 3 continues after its step 8, each rank where it was" in proc.stdout
+    assert "resumed within epoch 2: epoch 2 continues after its step 8, each rank where it was" in proc.stdout
     straight, resumed = last_checkpoint(tmp_path / "straight"), last_checkpoint(tmp_path / "resumed")
-    assert straight["epoch"] == resumed["epoch"] == 4 and resumed["partial"] is None
+    assert straight["epoch"] == resumed["epoch"] == 3 and resumed["partial"] is None
     for part in ("model", "ema"):
         for name, value in straight[part].items():
             assert torch.equal(value, resumed[part][name]), f"{part}.{name} differs after resuming"
@@ -45,23 +46,23 @@ def test_resuming_is_bitwise_exact_from_an_epoch_s_end_and_from_within_an_epoch(
     assert straight["step"] == resumed["step"]
     assert straight["optimizer"]["param_groups"][0]["lr"] == resumed["optimizer"]["param_groups"][0]["lr"]
     summary = read_json(tmp_path / "resumed" / "summary.json")
-    assert [h["epoch"] for h in summary["history"]] == [1, 2, 3, 4] == epochs_in(tmp_path / "resumed")
-    # Epoch 3's figures too: each rank's sums of its first 8 steps came back from the checkpoint.
+    assert [h["epoch"] for h in summary["history"]] == [1, 2, 3] == epochs_in(tmp_path / "resumed")
+    # Epoch 2's figures too: each rank's sums of its first 8 steps came back from the checkpoint.
     for key in ("train_loss", "train_count", "val_loss", "val_ema_loss"):
         assert [h[key] for h in summary["history"]] == \
             [h[key] for h in read_json(tmp_path / "straight" / "summary.json")["history"]], key
-    assert [(r["epoch"], r["step"]) for r in summary["resumes"]] == [(2, 44), (2, 52)]
-    assert summary["last_checkpoint"] == {"epoch": 4, "end_of_epoch": True}
-    assert summary["checkpoints_within_epochs"]["count"] == 2  # steps 65 and 78 (91 would be past the end)
+    assert [(r["epoch"], r["step"]) for r in summary["resumes"]] == [(1, 22), (1, 30)]
+    assert summary["last_checkpoint"] == {"epoch": 3, "end_of_epoch": True}
+    assert summary["checkpoints_within_epochs"]["count"] == 3  # steps 40, 50 and 60
 
-    # On one rank, the rest of epoch 3 (every sample the 2 ranks had not read in its first 8 steps) is dealt to it.
-    proc = launch("single", 1, TRAIN, "--output-dir", tmp_path / "on-one-rank", "--epochs", "4", "--resume", "auto",
+    # On one rank, the rest of epoch 2 (every sample the 2 ranks had not read in its first 8 steps) is dealt to it.
+    proc = launch("single", 1, TRAIN, "--output-dir", tmp_path / "on-one-rank", "--epochs", "2", "--resume", "auto",
                   *common)
-    assert ("resumed within epoch 3: epoch 3 continues after its step 8: the samples it had not trained, dealt out "
+    assert ("resumed within epoch 2: epoch 2 continues after its step 8: the samples it had not trained, dealt out "
             "anew among 1 rank(s) (none read twice)") in proc.stdout
     history = read_json(tmp_path / "on-one-rank" / "summary.json")["history"]
     # 1,438 samples: 2 ranks x 8 steps x 32 read before, and the 926 left make 28 full batches of 32 on one rank.
-    assert [h["epoch"] for h in history] == [1, 2, 3, 4] and history[2]["train_count"] == 512 + 28 * 32
+    assert [h["epoch"] for h in history] == [1, 2] and history[1]["train_count"] == 512 + 28 * 32
 
 
 @pytest.mark.distributed
