@@ -127,9 +127,9 @@ def train_step(trainer, batch):
 
     def before_step():
         if t.scaler is not None:
-            t.scaler.unscale_(t.optimizer)
+            hvd_utils.unscale_gradients(t.scaler, t.optimizer)
         if opts.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(t.model.parameters(), opts.clip_grad)
+            hvd_utils.clip_gradients(t.model, t.optimizer, opts.clip_grad)
 
     step = (lambda: t.scaler.step(t.optimizer)) if t.scaler is not None else t.optimizer.step
     watchdog.tick()  # backward done: what is left waits on the other ranks' gradients

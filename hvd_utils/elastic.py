@@ -8,6 +8,9 @@ import os
 
 import horovod.torch as hvd
 from horovod.torch.elastic import ElasticSampler, TorchState
+from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
+
+from hvd_utils.zero import ShardedOptimizer, broadcast_state_dict
 
 run = hvd.elastic.run  # decorator: re-enters the function after each reset, from the last committed state
 
@@ -23,6 +26,46 @@ def sampler(dataset, seed):
     sampler = ElasticSampler(dataset, shuffle=True, seed=seed)
     sampler.set_epoch(1)
     return sampler
+
+
+class _ShardedStateHandler(StateHandler):
+    """A sharded optimizer (--shard-optimizer) in Horovod's elastic state. A rank that leaves takes its slices with
+    it, so a commit gathers the whole state (a collective: every worker commits at the same step) and keeps it in
+    host memory; a restore or a sync re-deals it over the workers there are now. Workers removed without a sync
+    re-deal their own copy at the next step (ShardedOptimizer.synchronize)."""
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer)
+        self.save()
+
+    def save(self):
+        full = self.value.state_dict()
+        self.value.committed = _to_cpu(full)
+
+    def restore(self):
+        self.value.load_state_dict(self.value.committed)
+        self.value.loaded = None
+
+    def sync(self):
+        full = broadcast_state_dict(self.value.committed if hvd.rank() == 0 else None, 0, "zero.elastic")
+        self.value.committed = full
+        self.value.load_state_dict(full)
+        self.value.loaded = None
+
+
+def _to_cpu(value):
+    if hasattr(value, "cpu"):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+# Horovod's TorchState picks a handler by type; a sharded optimizer is not a torch Optimizer.
+if not any(kind is ShardedOptimizer for kind, _ in get_handler_registry()):
+    set_handler_registry(get_handler_registry() + [(ShardedOptimizer, _ShardedStateHandler)])
 
 
 def state(model, optimizer, train_sampler, **counters):

@@ -10,6 +10,8 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedAdasumOptimizer
 
+from hvd_utils.zero import ShardedOptimizer
+
 
 def lr_scale(world_size, batches_per_allreduce=1, use_adasum=False):
     """The learning-rate multiplier. Linear scaling rule (Goyal et al. 2017): the rate grows with the global
@@ -19,8 +21,10 @@ def lr_scale(world_size, batches_per_allreduce=1, use_adasum=False):
 
 
 def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allreduce=False, use_adasum=False,
-                          gradient_predivide_factor=1.0, elastic=False):
-    """Horovod: average gradients across ranks with ring-allreduce during backward().
+                          gradient_predivide_factor=1.0, elastic=False, shard=False):
+    """Horovod: average gradients across ranks with ring-allreduce during backward(). shard: ZeRO-1 instead
+    (hvd_utils/zero.py): a reducescatter of the gradients after backward(), each rank stepping a 1/N slice of the
+    weights with its slice of the optimizer state, an allgather of the weights.
 
     The wrapper is a new optimizer over the same parameters; state loaded into the old one is not carried over,
     so load checkpoints into the returned optimizer. One process that stays one (not elastic) has nothing to
@@ -30,6 +34,9 @@ def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allred
     if hvd.size() == 1 and not elastic:
         return optimizer
     compression = hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none
+    if shard:  # (the config refuses Adasum with it: Adasum combines whole updates, not averaged slices)
+        return ShardedOptimizer(optimizer, compression, prescale=1.0 / gradient_predivide_factor,
+                                postscale=gradient_predivide_factor)
     if _has_strided_weights(model):
         compression = _SentContiguous(compression)
     return hvd.DistributedOptimizer(
@@ -87,17 +94,44 @@ def apply_gradients(optimizer, step, before_step=None):
         return step()
 
 
+def unscale_gradients(scaler, optimizer):
+    """--amp fp16: the gradients divided by the loss scale, and every rank agreeing whether any was infinite (a
+    sharded optimizer's ranks each see a slice)."""
+    scaler.unscale_(optimizer)
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer.agree_on_overflow(scaler)
+
+
+def clip_gradients(model, optimizer, max_norm):
+    """The averaged gradients clipped to a global norm of max_norm (a sharded optimizer's: over every rank's
+    slices)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of optimizer state this rank holds (momentum, moments; a sharded optimizer's slices only)."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+               if torch.is_tensor(v))
+
+
 def broadcast_state(model, optimizer=None, root_rank=0):
     """Horovod: copy optimizer state (where there is an optimizer), parameters and buffers from root_rank, so all
     ranks start identical: at the start, and after rank 0 alone loaded a checkpoint.
 
-    The optimizer state goes first: on a rank with empty state, Horovod initialises it with one zero-gradient step,
-    which moves parameters under weight decay; broadcasting the parameters afterwards undoes that.
+    The optimizer state goes first, where rank 0 has any (a checkpoint's): on a rank with empty state, Horovod
+    initialises it with one zero-gradient step, which moves parameters under weight decay; broadcasting the
+    parameters afterwards undoes that.
     """
     if hvd.size() == 1:  # nobody to copy to (and a CPU-only Horovod build cannot even look at CUDA tensors)
         return
     with default_layout(model, optimizer):  # Horovod takes channels-last weights in the default layout only
-        if optimizer is not None:
+        if isinstance(optimizer, ShardedOptimizer):
+            optimizer.broadcast_from(root_rank)
+        elif optimizer is not None and hvd.broadcast_object(bool(optimizer.state), root_rank, "optimizer_has_state"):
+            # Only state that exists: on an empty optimizer Horovod first takes a zero-gradient step to create it,
+            # which counts one step too many (Adam's bias correction) and starts SGD's momentum at weight decay x w.
             hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
         hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
 

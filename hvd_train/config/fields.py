@@ -9,6 +9,10 @@ from hvd_train.errors import ConfigError
 
 LR_SCHEDULES = ("constant", "cosine", "step", "multistep", "exponential")  # multistep: timm's name for step
 OPTIMIZERS = ("sgd", "adam", "adamw")  # torch's own; any other name is one of timm's (build.py checks it)
+# --shard-optimizer steps a flat slice of the weights: optimizers whose update is element-wise (torch's and timm's
+# names). LAMB, LARS and Adafactor look at whole tensors (trust ratios, factored moments).
+SHARDABLE = ("sgd", "momentum", "nesterov", "adam", "adamw", "nadam", "nadamw", "radam", "adamax", "lion",
+             "rmsprop", "rmsproptf", "adagrad")
 ERASE_MODES = ("const", "rand", "pixel")
 AMP_MODES = ("off", "bf16", "fp16")
 DEVICES = ("auto", "cuda", "cpu")

@@ -13,6 +13,9 @@ class HorovodConfig(_Section):
     fp16_allreduce: bool = opt(False, "compress gradients to fp16 for the allreduce (half the bytes on the wire)",
                                flags=("fp16-allreduce",))
     use_adasum: bool = opt(False, "combine gradients with Adasum instead of averaging them", flags=("use-adasum",))
+    shard_optimizer: bool = opt(False, "ZeRO-1: each rank keeps the optimizer state of 1/N of the weights "
+                                "(reducescatter, step a slice, allgather); element-wise optimizers",
+                                flags=("shard-optimizer",))
     gradient_predivide_factor: float = opt(1.0, "divide gradients by this before the allreduce, the rest after")
     sync_bn: bool = opt(False, "batch-norm statistics computed over all ranks (hvd.SyncBatchNorm)", flags=("sync-bn",))
     elastic: bool = opt(False, "elastic training under horovodrun --min-np/--max-np --host-discovery-script",
@@ -35,6 +38,9 @@ class HorovodConfig(_Section):
                  "must be a time in milliseconds, e.g. 10, or 0 for the default")
         _require(not (self.use_adasum and self.gradient_predivide_factor != 1.0), "horovod.use_adasum",
                  self.use_adasum, "cannot be combined with gradient_predivide_factor != 1")
+        _require(not (self.use_adasum and self.shard_optimizer), "horovod.shard_optimizer (--shard-optimizer)", True,
+                 "cannot be combined with --use-adasum: Adasum combines whole updates, a sharded optimizer steps "
+                 "slices of averaged gradients; leave out one of them")
 
 
 @dataclass

@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, field
 
 from hvd_train.uris import redact, redact_all
-from hvd_train.config.fields import _require
+from hvd_train.config.fields import SHARDABLE, _require
 from hvd_train.config.learning import AugConfig, DataConfig, ModelConfig, OptimConfig
 from hvd_train.config.job import (BenchmarkConfig, CheckpointConfig, HorovodConfig, LoggingConfig, ProfileConfig,
                                   RunConfig)
@@ -35,6 +35,10 @@ class Config:
                  self.horovod.use_adasum, "cannot be combined with --amp fp16: the gradient scaler needs averaged "
                  "gradients, which Adasum does not produce; use --amp bf16")
 
+        _require(not self.horovod.shard_optimizer or self.optim.optimizer in SHARDABLE,
+                 "horovod.shard_optimizer (--shard-optimizer)", True,
+                 f"cannot shard --opt {self.optim.optimizer}: its update looks at whole tensors, and a rank holds a "
+                 f"flat slice; use one of {', '.join(SHARDABLE)}, or leave out --shard-optimizer")
         _require(not (self.model.channels_last and self.horovod.elastic), "model.channels_last (--channels-last)",
                  True, "cannot be combined with --elastic: Horovod's elastic state broadcasts the weights as they "
                  "are, and its collectives take only tensors in the default layout")

@@ -37,6 +37,8 @@ BAD_SETTINGS = [
     (["--data.skip_bad_files"], "--data.skip_bad_files=True does not apply to --dataset digits"),
     (["--data.synthetic_samples", "64", "--dataset", "mnist"], "does not apply to --dataset mnist"),
     (["--stop-at", "150"], "--stop-at)=150: val_acc1 is a percentage, so it can never reach 150"),
+    (["--shard-optimizer", "--opt", "lamb"], "cannot shard --opt lamb: its update looks at whole tensors"),
+    (["--shard-optimizer", "--use-adasum"], "--shard-optimizer)=True: cannot be combined with --use-adasum"),
 ]
 
 

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import BIN, ROOT, app_output, job_env, read_json, worker_on
 
@@ -15,7 +16,8 @@ pytestmark = pytest.mark.distributed
 COMMIT_EVERY = 5
 
 
-def test_a_killed_worker_leaves_the_survivor_to_finish_with_at_most_one_commit_redone(tmp_path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["", "shard-optimizer"])
+def test_a_killed_worker_leaves_the_survivor_to_finish_with_at_most_one_commit_redone(tmp_path, sharded):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
     env = job_env()
@@ -25,6 +27,8 @@ def test_a_killed_worker_leaves_the_survivor_to_finish_with_at_most_one_commit_r
            str(ROOT / "hostfiles" / "discover_hosts.py"), sys.executable, str(ROOT / "train_hvd.py"), "--elastic",
            "--output-dir", str(out), "--epochs", "6", "--horovod.commit_every", str(COMMIT_EVERY),
            "--logging.progress=false", "--logging.tensorboard=false", "--logging.plot=false"]
+    if sharded:  # the dead worker's slice of the optimizer state comes back from the survivor's last commit
+        cmd += ["--shard-optimizer", "--opt", "adamw", "--lr", "0.002"]
     job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, killed = [], None
     deadline = time.monotonic() + 240
@@ -52,6 +56,9 @@ def test_a_killed_worker_leaves_the_survivor_to_finish_with_at_most_one_commit_r
     assert [h["epoch"] for h in summary["history"]] == [1, 2, 3, 4, 5, 6]
     assert all(h["val_count"] == 359 for h in summary["history"])
     assert summary["final_val_acc1"] > 80.0
+    if sharded:  # Adam's step count: every step of the run that was kept, none lost with the dead worker's slice
+        state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["optimizer"]["state"]
+        assert {float(s["step"]) for s in state.values()} == {summary["elastic"]["steps"]}, summary["elastic"]
 
 
 def test_an_unwritable_config_and_a_refused_init_file_end_an_elastic_job_with_one_line(tmp_path):
