@@ -11,6 +11,7 @@ bench/results/<date>.json and .md and prints the table.
     python bench/run.py --sections data   # loaders (image folder, tar shards) against a training step
     python bench/run.py --sections recipe   # plain vs default augmentation vs the full recipe, and timm's loop
     python bench/run.py --sections checkpoint   # the training step's stall per checkpoint, in the step vs background
+    python bench/run.py --sections shard   # --shard-optimizer (ZeRO-1) against the whole state on every rank
 """
 import argparse
 import datetime
@@ -30,7 +31,7 @@ from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row
 PY = sys.executable
 BIN = os.path.dirname(PY)
 SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "tuning", "compile", "accuracy", "data", "recipe",
-            "checkpoint")
+            "checkpoint", "shard")
 APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
 APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
 # Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
@@ -465,6 +466,30 @@ def section_checkpoint(b):
                       "wait", "<= 0.2", [r[1] for r in runs["background"]], [r[1] for r in runs["step"]], unit="s"),
             ratio_row(f"checkpoint cost per save, {setting}", "background / in the step: the epoch's extra time "
                       "against no saves", "<= 0.2", extra("background"), extra("step"), unit="s")]
+
+
+def section_shard(b):
+    """--shard-optimizer against the whole optimizer state on every rank: ViT-B/16 (86M parameters; at 64 px, so a
+    step on these CPUs takes seconds, not minutes) with AdamW, 2 ranks, Gloo. Three figures, sharded / whole,
+    alternated: the optimizer state each rank holds (goal: 1/2), its peak memory, and the training step's rate."""
+    model, size, batch, steps = ("small_cnn", 28, 8, b.slow_steps) if b.args.quick else \
+        ("timm/vit_base_patch16_224", 64, 4, (2, 4, 2))
+    env = job_env()
+
+    def one(shard):
+        s = b.app(horovodrun(2, "gloo"), model, size, batch, steps, env,
+                  ["--opt", "adamw"] + (["--shard-optimizer"] if shard else []))
+        return max(s["optimizer_state_bytes_by_rank"]), max(s["peak_memory_bytes_by_rank"]), s["img_per_sec_total"]
+
+    sharded, whole = b.alternate(lambda: one(True), lambda: one(False))
+    setting = f"{model} {size}px batch {batch} x 2 ranks, AdamW"
+    compared = "sharded / whole state on every rank"
+    return [ratio_row(f"optimizer state per rank, {setting}", compared, "0.5 (1/N) within a few %",
+                      [x[0] / 2**20 for x in sharded], [x[0] / 2**20 for x in whole], unit="MB"),
+            ratio_row(f"peak memory per rank, {setting}", compared, "< 1", [x[1] / 2**20 for x in sharded],
+                      [x[1] / 2**20 for x in whole], unit="MB"),
+            ratio_row(f"training rate, {setting}", compared, ">= 0.9", [x[2] for x in sharded],
+                      [x[2] for x in whole])]
 
 
 def mean_sd(values):

@@ -8,15 +8,16 @@ gives every rank every updated slice, written back into the model. The bytes on 
 
 Only element-wise optimizers can step a slice as they would the whole tensor (SGD, Adam, AdamW, Lion, ...): one
 whose update looks at a tensor as a whole (LAMB's and LARS's trust ratios, Adafactor's factored moments) cannot,
-and the config refuses it (hvd_train/config/fields.py: SHARDABLE). The state comes out of state_dict() in the ordinary unsharded form (gathered from every
-rank: a collective) and goes into load_state_dict() in that form, so checkpoints move between sharded and unsharded
-runs and across world sizes.
+and the config refuses it (hvd_train/config/fields.py: SHARDABLE). The state comes out of state_dict() in the
+ordinary unsharded form (gathered from every rank: a collective) and goes into load_state_dict() in that form, so
+checkpoints move between sharded and unsharded runs and across world sizes. Measured cost: docs/memory.md.
 """
 import contextlib
 import math
 
 import horovod.torch as hvd
 import torch
+
 
 class _Group:
     """One parameter group laid out flat: its parameters back to back, padded to `size` slices of `length`, and the
@@ -28,7 +29,16 @@ class _Group:
         self.length = max(1, math.ceil(self.numel / size))
         first = params[0]
         self.slice = torch.zeros(self.length, dtype=first.dtype, device=first.device)
+        # The gradients live in one padded buffer that backward() accumulates into (each parameter's .grad a view
+        # of it): the reducescatter sends it as it is, with no copy made each step.
+        self.grads = torch.zeros(self.size * self.length, dtype=first.dtype, device=first.device)
         self.refresh()
+
+    def attach_grads(self):
+        """Every parameter's .grad a view of the zeroed buffer."""
+        self.grads.zero_()
+        for p, view in zip(self.params, self.unflatten(self.grads)):
+            p.grad = view
 
     def spans(self):
         """(parameter, first element in it, first element in the slice, count) for each parameter overlapping
@@ -55,6 +65,13 @@ class _Group:
             parts.append(torch.zeros(pad, dtype=parts[0].dtype, device=parts[0].device))
         return torch.cat(parts)
 
+    def gathered_grads(self):
+        """The gradients as one padded vector: the buffer itself, unless a .grad was replaced (or never attached)."""
+        if all(p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+               for p, view in zip(self.params, self.unflatten(self.grads))):
+            return self.grads
+        return self.flat([p.grad for p in self.params])
+
     def unflatten(self, flat):
         """A padded vector back into one tensor per parameter, shaped like it."""
         out, offset = [], 0
@@ -80,7 +97,8 @@ class ShardedOptimizer:
         for params in self.params:
             dtypes = {(p.dtype, p.device) for p in params}
             if len(dtypes) > 1:
-                raise ValueError(f"--shard-optimizer: a parameter group mixes dtypes or devices ({sorted(map(str, dtypes))})")
+                raise ValueError(f"--shard-optimizer: a parameter group mixes dtypes or devices "
+                                 f"({sorted(map(str, dtypes))}); give each its own group")
         self.groups, self.synced = [], False
         self.loaded = None     # the unsharded state load_state_dict() took, until broadcast_from() sends it
         self.committed = None  # elastic: the last commit's unsharded state (hvd_utils/elastic.py)
@@ -110,10 +128,8 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none=True):
         self.synced = False
-        for params in self.params:
-            for p in params:
-                p.grad = None
         for g in self.groups:
+            g.attach_grads()
             g.slice.grad = None
 
     def synchronize(self):
@@ -122,7 +138,7 @@ class ShardedOptimizer:
         flats, ctxs = [], []
         for g in self.groups:
             g.refresh()
-            sent, ctx = self.compression.compress(g.flat([p.grad for p in g.params]))
+            sent, ctx = self.compression.compress(g.gathered_grads())
             flats.append(sent)
             ctxs.append(ctx)
         with torch.profiler.record_function("horovod_synchronize"):

@@ -94,6 +94,15 @@ def summarize(rates_by_rank):
             "img_per_sec_total_ci95": ci95 * len(rates_by_rank)}
 
 
+def peak_memory_bytes(device):
+    """This process's peak memory so far: the GPU's allocations on a GPU, else the resident set's high-water mark."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KB on Linux
+
+
 def build_trainer(cfg, info, rt):
     """The Trainer of a training run, built by the recipe's steps (train_hvd.py), Horovod's optimizer included."""
     model, task = training.model_and_task(cfg, info, rt.device)
@@ -140,6 +149,9 @@ def run(cfg, rt):
     if not all(math.isfinite(r) for rs in rates_by_rank for r in rs):
         raise NonFiniteLossError("benchmark timings are not finite")
     figures = summarize(rates_by_rank)
+    # What each rank holds: its optimizer state (1/N of it under --shard-optimizer), and its peak memory.
+    held = hvd_utils.gather_floats([hvd_utils.optimizer_state_bytes(trainer.optimizer), peak_memory_bytes(rt.device)],
+                                   name="benchmark_memory")
     if rt.is_main:
         for i, rate in enumerate(rates_by_rank[0]):
             log.info("iter #%d: %.1f img/sec per rank (rank 0)", i, rate)
@@ -159,7 +171,11 @@ def run(cfg, rt):
             "controller": rt.controller, "tensor_ops": rt.tensor_ops, "amp": cfg.optim.amp,
             "channels_last": is_channels_last(trainer.model),  # the weights' layout as trained, not just the setting
             "fusion_threshold_mb": rt.fusion_threshold_mb, "cycle_time_ms": rt.cycle_time_ms,
-            "fp16_allreduce": cfg.horovod.fp16_allreduce,
+            "fp16_allreduce": cfg.horovod.fp16_allreduce, "optimizer": cfg.optim.optimizer,
+            "shard_optimizer": cfg.horovod.shard_optimizer,
+            "parameters": sum(p.numel() for p in trainer.model.parameters()),
+            "optimizer_state_bytes_by_rank": [int(h[0]) for h in held],
+            "peak_memory_bytes_by_rank": [int(h[1]) for h in held],
             "compile": cfg.model.compiled_as,
             "first_step_seconds": first_step_seconds, "num_warmup_batches": b.num_warmup_batches,
             "num_iters": b.num_iters, "num_batches_per_iter": b.num_batches_per_iter, **figures,

@@ -158,10 +158,10 @@ def test_allreduce_benchmark_reports_busbw_for_horovod_and_torch(tmp_path):
 def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path):
     cmd = [sys.executable, "bench/run.py", "--quick", "--repeats", "1", "--results-dir", str(tmp_path), "--sections"]
     # The second run, of another section, has to find the first one's files there and write beside them.
-    for sections in ("overhead,peer,accuracy", "data"):
+    for sections in ("overhead,peer,accuracy", "data,shard"):
         proc = subprocess.run(cmd + [sections], cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        if sections != "data":
+        if sections != "data,shard":
             first_output = proc.stdout
     files = sorted(os.listdir(tmp_path))
     assert len(files) == 4 and sum(f.endswith("-2.json") for f in files) == 1
@@ -176,8 +176,13 @@ def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path
     assert "| overhead, small_cnn" in first_output and "| peer, small_cnn" in first_output
     second = read_json(tmp_path / next(f for f in files if f.endswith("-2.json")))
     # The data section: each loader (image folder and tar shards, 0 and 1 workers) against a training step.
-    assert [r["figure"] for r in second["rows"]] == [f"data, {source}, --workers {w}" for source in
-                                                     ("image folder (JPEG)", "tar shards (local)") for w in (0, 1)]
+    data, shard = second["rows"][:4], second["rows"][4:]
+    assert [r["figure"] for r in data] == [f"data, {source}, --workers {w}" for source in
+                                           ("image folder (JPEG)", "tar shards (local)") for w in (0, 1)]
+    # The shard section: the state each of 2 ranks holds sharded is half the whole state.
+    assert [r["figure"].split(",")[0] for r in shard] == ["optimizer state per rank", "peak memory per rank",
+                                                          "training rate"]
+    assert 0.45 < shard[0]["ratio"]["median"] < 0.55, shard[0]
     for row in second["rows"]:
         assert row["a"]["median"] > 0 and row["b"]["median"] > 0
         assert row["ratio"]["median"] == pytest.approx(row["a"]["median"] / row["b"]["median"])
