@@ -36,7 +36,7 @@ def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allred
     compression = hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none
     if shard:  # (the config refuses Adasum with it: Adasum combines whole updates, not averaged slices)
         return ShardedOptimizer(optimizer, compression, prescale=1.0 / gradient_predivide_factor,
-                                postscale=gradient_predivide_factor)
+                                postscale=gradient_predivide_factor, backward_passes_per_step=batches_per_allreduce)
     if _has_strided_weights(model):
         compression = _SentContiguous(compression)
     return hvd.DistributedOptimizer(

@@ -12,27 +12,63 @@ and the config refuses it (hvd_train/config/fields.py: SHARDABLE). The state com
 ordinary unsharded form (gathered from every rank: a collective) and goes into load_state_dict() in that form, so
 checkpoints move between sharded and unsharded runs and across world sizes. Measured cost: docs/memory.md.
 """
+import collections
 import contextlib
 import math
+import os
 
 import horovod.torch as hvd
 import torch
 
+GATHERS_IN_FLIGHT = 4  # allgathers of buckets under way at once: their outputs are what the step holds extra
+
+
+class _Bucket:
+    """Parameters lo..hi-1 of a group, at `start` in the padded buffer, dealt in `size` parts of `part` elements;
+    this rank's part sits at `at` in its slice."""
+
+    def __init__(self, lo, hi, start, part, at):
+        self.lo, self.hi, self.start, self.part, self.at = lo, hi, start, part, at
+
 
 class _Group:
-    """One parameter group laid out flat: its parameters back to back, padded to `size` slices of `length`, and the
-    slice this rank owns (a leaf tensor the optimizer steps)."""
+    """One parameter group laid out flat: its parameters in order, in buckets of about `bucket` elements (whole
+    parameters), each padded to a multiple of the `size` ranks and dealt in equal parts. This rank's slice is its
+    part of every bucket, back to back: a leaf tensor the optimizer steps. Buckets let the reducescatter of the
+    last layers' gradients start while backward() computes the first ones, and bound the collectives' buffers."""
 
-    def __init__(self, params, rank, size):
+    def __init__(self, params, rank, size, bucket):
         self.params, self.rank, self.size = params, rank, size
-        self.numel = sum(p.numel() for p in params)
-        self.length = max(1, math.ceil(self.numel / size))
+        self.buckets, self.offsets = [], []  # offsets: each parameter's in the padded buffer
+        lo, count, start, at = 0, 0, 0, 0
+        for i, p in enumerate(params + [None]):
+            if p is None or (count and count + p.numel() > bucket):
+                part = max(1, math.ceil(count / size))
+                self.buckets.append(_Bucket(lo, i, start, part, at))
+                lo, start, at, count = i, start + size * part, at + part, 0
+            if p is not None:
+                self.offsets.append(start + count)
+                count += p.numel()
+        self.total, self.length = start, at
+        self.bucket_of = [b for b in self.buckets for _ in range(b.lo, b.hi)]
         first = params[0]
         self.slice = torch.zeros(self.length, dtype=first.dtype, device=first.device)
         # The gradients live in one padded buffer that backward() accumulates into (each parameter's .grad a view
-        # of it): the reducescatter sends it as it is, with no copy made each step.
-        self.grads = torch.zeros(self.size * self.length, dtype=first.dtype, device=first.device)
+        # of it): a bucket's reducescatter sends its part as it is, with no copy made each step.
+        self.grads = torch.zeros(self.total, dtype=first.dtype, device=first.device)
+        self.segments = list(self._segments())
         self.refresh()
+
+    def _segments(self):
+        """(parameter, first element in it, first element in the slice, count) for each piece of a parameter in
+        this rank's parts."""
+        for b in self.buckets:
+            lo, hi = b.start + self.rank * b.part, b.start + (self.rank + 1) * b.part
+            for i in range(b.lo, b.hi):
+                p, offset = self.params[i], self.offsets[i]
+                first, end = max(lo, offset), min(hi, offset + p.numel())
+                if first < end:
+                    yield p, first - offset, b.at + first - lo, end - first
 
     def attach_grads(self):
         """Every parameter's .grad a view of the zeroed buffer."""
@@ -40,48 +76,58 @@ class _Group:
         for p, view in zip(self.params, self.unflatten(self.grads)):
             p.grad = view
 
-    def spans(self):
-        """(parameter, first element in it, first element in the slice, count) for each parameter overlapping
-        the owned slice."""
-        lo, hi, offset = self.rank * self.length, (self.rank + 1) * self.length, 0
-        for p in self.params:
-            a, b = max(lo, offset), min(hi, offset + p.numel())
-            if a < b:
-                yield p, a - offset, a - lo, b - a
-            offset += p.numel()
+    def bucket_grads(self, b):
+        """Bucket b's padded gradients: its part of the buffer (a .grad replaced since zero_grad() copied in)."""
+        for i in range(b.lo, b.hi):
+            p, view = self.params[i], self.view(self.grads, i)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+        return self.grads[b.start:b.start + self.size * b.part]
 
     @torch.no_grad()
     def refresh(self):
         """The slice from the weights (they may have changed outside a step: a broadcast, a checkpoint loaded)."""
-        for p, start, at, count in self.spans():
+        for p, start, at, count in self.segments:
             self.slice[at:at + count].copy_(p.reshape(-1)[start:start + count])
 
+    @torch.no_grad()
+    def write(self, b, gathered):
+        """Bucket b's padded values, gathered from every rank, into its parameters."""
+        for i in range(b.lo, b.hi):
+            p = self.params[i]
+            offset = self.offsets[i] - b.start
+            p.copy_(gathered[offset:offset + p.numel()].view(p.shape))
+
+    def view(self, flat, i):
+        p = self.params[i]
+        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+
     def flat(self, tensors):
-        """`tensors` (one per parameter, None for none) as one padded vector of size x length."""
-        parts = [t.reshape(-1) if t is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                 for p, t in zip(self.params, tensors)]
-        pad = self.size * self.length - self.numel
-        if pad:
-            parts.append(torch.zeros(pad, dtype=parts[0].dtype, device=parts[0].device))
-        return torch.cat(parts)
-
-    def gathered_grads(self):
-        """The gradients as one padded vector: the buffer itself, unless a .grad was replaced (or never attached)."""
-        if all(p.grad is not None and p.grad.data_ptr() == view.data_ptr()
-               for p, view in zip(self.params, self.unflatten(self.grads))):
-            return self.grads
-        return self.flat([p.grad for p in self.params])
-
-    def unflatten(self, flat):
-        """A padded vector back into one tensor per parameter, shaped like it."""
-        out, offset = [], 0
-        for p in self.params:
-            out.append(flat[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
+        """`tensors` (one per parameter, None for zeros) as one padded buffer."""
+        first = next((t for t in tensors if t is not None), self.params[0])
+        out = torch.zeros(self.total, dtype=first.dtype, device=self.slice.device)
+        for i, t in enumerate(tensors):
+            if t is not None:
+                self.view(out, i).copy_(t)
         return out
 
+    def unflatten(self, flat):
+        """A padded buffer back into one tensor per parameter, shaped like it (views)."""
+        return [self.view(flat, i) for i in range(len(self.params))]
+
     def own(self, flat):
-        return flat[self.rank * self.length:(self.rank + 1) * self.length]
+        """This rank's slice of a padded buffer."""
+        return torch.cat([flat[b.start + self.rank * b.part:b.start + (self.rank + 1) * b.part] for b in self.buckets])
+
+    def from_gathered(self, gathered):
+        """Every rank's slice, back to back in rank order (an allgather's result), as one padded buffer."""
+        by_rank = gathered.view(self.size, self.length)
+        out = torch.empty(self.total, dtype=gathered.dtype, device=gathered.device)
+        for b in self.buckets:
+            out[b.start:b.start + self.size * b.part].view(self.size, b.part).copy_(by_rank[:, b.at:b.at + b.part])
+        return out
 
 
 class ShardedOptimizer:
@@ -90,19 +136,28 @@ class ShardedOptimizer:
     zero_grad(), backward(), then step() (or synchronize(), look at the averaged slice gradients, then step() inside
     skip_synchronize())."""
 
-    def __init__(self, optimizer, compression=hvd.Compression.none, prescale=1.0, postscale=1.0):
+    def __init__(self, optimizer, compression=hvd.Compression.none, prescale=1.0, postscale=1.0,
+                 backward_passes_per_step=1, bucket_mb=None):
         self.optimizer, self.compression = optimizer, compression
-        self.prescale, self.postscale = prescale, postscale
+        self.prescale, self.postscale, self.passes = prescale, postscale, backward_passes_per_step
+        # Horovod's fusion buffer (the app sets it before init): a bucket that fits is staged without allocating.
+        bucket_bytes = (bucket_mb * 2**20 if bucket_mb else int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 64 << 20)))
         self.params = [list(g["params"]) for g in optimizer.param_groups]
+        itemsize = max((p.element_size() for ps in self.params for p in ps), default=4)
+        self.bucket = max(1, bucket_bytes // itemsize)
         for params in self.params:
             dtypes = {(p.dtype, p.device) for p in params}
             if len(dtypes) > 1:
                 raise ValueError(f"--shard-optimizer: a parameter group mixes dtypes or devices "
                                  f"({sorted(map(str, dtypes))}); give each its own group")
-        self.groups, self.synced = [], False
+        self.groups, self.synced, self.handles = [], False, {}
+        self.where, self.passes_seen, self.ready = {}, {}, {}
         self.loaded = None     # the unsharded state load_state_dict() took, until broadcast_from() sends it
         self.committed = None  # elastic: the last commit's unsharded state (hvd_utils/elastic.py)
         self.layout()
+        for params in self.params:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
 
     # The optimizer's face: the schedule sets param_groups' rates, the scaler unscales their gradients.
     @property
@@ -119,34 +174,63 @@ class ShardedOptimizer:
 
     def layout(self):
         """Slices for the current world size; the state of earlier slices is dropped (load_state_dict brings it)."""
+        self.drain()
         self.world = (hvd.rank(), hvd.size())
-        self.groups = [_Group(params, *self.world) for params in self.params if params]
+        self.groups = [_Group(params, *self.world, self.bucket) for params in self.params if params]
+        self.where = {p: (gi, g.bucket_of[i]) for gi, g in enumerate(self.groups) for i, p in enumerate(g.params)}
         live = iter(self.groups)
         for group, params in zip(self.optimizer.param_groups, self.params):
             group["params"] = [next(live).slice] if params else []
         self.optimizer.state.clear()
 
     def zero_grad(self, set_to_none=True):
+        self.drain()
         self.synced = False
         for g in self.groups:
             g.attach_grads()
             g.slice.grad = None
 
+    def drain(self):
+        """Wait for reducescatters still under way (a step given up after backward): Horovod's queue stays whole."""
+        for handle, _ in self.handles.values():
+            hvd.synchronize(handle)
+        self.handles, self.passes_seen, self.ready = {}, {}, {}
+
+    def _grad_ready(self, p):
+        """After backward() accumulated p's gradient: once the step's last pass has, and the rest of p's bucket
+        too, that bucket's reducescatter starts (Horovod works on it while backward() goes on)."""
+        seen = self.passes_seen[p] = self.passes_seen.get(p, 0) + 1
+        if seen != self.passes or p not in self.where:
+            return
+        gi, b = self.where[p]
+        key = (gi, id(b))
+        self.ready[key] = self.ready.get(key, 0) + 1
+        if self.ready[key] == b.hi - b.lo:
+            self._launch(gi, b)
+
+    def _launch(self, gi, b):
+        if (gi, id(b)) in self.handles:
+            return
+        sent, ctx = self.compression.compress(self.groups[gi].bucket_grads(b))
+        handle = hvd.reducescatter_async(sent, name=f"zero.grads.{gi}.{b.lo}", op=hvd.Average,
+                                         prescale_factor=self.prescale, postscale_factor=self.postscale)
+        self.handles[(gi, id(b))] = (handle, ctx)
+
     def synchronize(self):
         """Horovod: average the gradients, each rank receiving its own slice (one grouped reducescatter)."""
         self.follow_workers()
-        flats, ctxs = [], []
-        for g in self.groups:
-            g.refresh()
-            sent, ctx = self.compression.compress(g.gathered_grads())
-            flats.append(sent)
-            ctxs.append(ctx)
+        for gi, g in enumerate(self.groups):  # buckets whose gradients backward() did not all reach (unused)
+            for b in g.buckets:
+                self._launch(gi, b)
         with torch.profiler.record_function("horovod_synchronize"):
-            reduced = hvd.grouped_reducescatter(flats, name="zero.grads", op=hvd.Average,
-                                                prescale_factor=self.prescale, postscale_factor=self.postscale)
-        for g, r, ctx in zip(self.groups, reduced, ctxs):
-            g.slice.grad = self.compression.decompress(r, ctx).to(g.slice.dtype)
-        self.synced = True
+            for gi, g in enumerate(self.groups):
+                grad = torch.empty_like(g.slice)
+                for b in g.buckets:
+                    handle, ctx = self.handles.pop((gi, id(b)))
+                    grad[b.at:b.at + b.part] = self.compression.decompress(hvd.synchronize(handle), ctx)
+                g.slice.grad = grad
+                g.refresh()
+        self.passes_seen, self.ready, self.synced = {}, {}, True
 
     def follow_workers(self):
         """Elastic: slices for the workers there are now. After a reset every survivor holds the same last commit
@@ -171,11 +255,18 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def gather_weights(self):
-        """Horovod: every rank's updated slice to every rank (one grouped allgather), written into the model."""
-        gathered = hvd.grouped_allgather([g.slice for g in self.groups], name="zero.weights")
-        for g, flat in zip(self.groups, gathered):
-            for p, value in zip(g.params, g.unflatten(flat)):
-                p.copy_(value)
+        """Horovod: every rank's updated part of each bucket to every rank (an allgather a bucket, a few under way
+        at once, so their buffers stay small), written into the model."""
+        pending = collections.deque()
+        for gi, g in enumerate(self.groups):
+            for b in g.buckets:
+                part = g.slice[b.at:b.at + b.part]
+                pending.append((g, b, hvd.allgather_async(part, name=f"zero.weights.{gi}.{b.lo}")))
+                if len(pending) >= GATHERS_IN_FLIGHT:
+                    g0, b0, handle = pending.popleft()
+                    g0.write(b0, hvd.synchronize(handle))
+        for g, b, handle in pending:
+            g.write(b, hvd.synchronize(handle))
 
     def agree_on_overflow(self, scaler):
         """--amp fp16: the scaler found infinities in this rank's slices only; every rank must skip the step, or
@@ -212,7 +303,7 @@ class ShardedOptimizer:
                     keys.append((i, key))
         gathered = hvd.grouped_allgather([self.optimizer.state[self.groups[i].slice][k] for i, k in keys],
                                          name="zero.state") if keys else []
-        full = {(i, k): flat for (i, k), flat in zip(keys, gathered)}
+        full = {(i, k): self.groups[i].from_gathered(flat) for (i, k), flat in zip(keys, gathered)}
         state, param_groups, index = {}, [], 0
         live = iter(enumerate(self.groups))
         for group, params in zip(inner["param_groups"], self.params):

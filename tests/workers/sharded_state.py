@@ -1,10 +1,10 @@
 """A checkpoint's optimizer state through hvd_utils' sharded optimizer on however many ranks run this:
 
-    sharded_state.py CHECKPOINT
+    sharded_state.py CHECKPOINT BUCKET_MB
 
-Every rank builds the checkpoint's model and an optimizer of its kind, sharded (ZeRO-1); rank 0 alone loads the
-checkpoint's state (as a resumed run does), hvd_utils.broadcast_state deals it out, and state_dict() gathers it
-back. Rank 0 prints whether that equals the checkpoint's state exactly, and how many state bytes each rank holds.
+Every rank builds the checkpoint's model and an optimizer of its kind, sharded (ZeRO-1) in buckets of BUCKET_MB;
+rank 0 alone loads the checkpoint's state (as a resumed run does), hvd_utils.broadcast_state deals it out, and
+state_dict() gathers it back. Rank 0 prints whether that equals the checkpoint's state exactly, and how many state bytes each rank holds.
 """
 import sys
 
@@ -12,6 +12,7 @@ import horovod.torch as hvd
 import torch
 
 import hvd_utils
+from hvd_utils.zero import ShardedOptimizer
 from hvd_train.config import config_from_dict
 from hvd_train import build
 from hvd_train.datasets import build_datasets
@@ -23,7 +24,7 @@ def main():
     cfg = config_from_dict(ckpt["config"])
     info = build_datasets(cfg.data, cfg.run.seed, None)[2]
     model = build.build_model_for(cfg, info, torch.device("cpu"))
-    optimizer = hvd_utils.distributed_optimizer(build.build_optimizer(model, cfg.optim, 0.1), model, shard=True)
+    optimizer = ShardedOptimizer(build.build_optimizer(model, cfg.optim, 0.1), bucket_mb=float(sys.argv[2]))
     if hvd.rank() == 0:
         optimizer.load_state_dict(ckpt["optimizer"])
     hvd_utils.broadcast_state(model, optimizer)
