@@ -4,7 +4,8 @@
 
 Every rank builds the checkpoint's model and an optimizer of its kind, sharded (ZeRO-1) in buckets of BUCKET_MB;
 rank 0 alone loads the checkpoint's state (as a resumed run does), hvd_utils.broadcast_state deals it out, and
-state_dict() gathers it back. Rank 0 prints whether that equals the checkpoint's state exactly, and how many state bytes each rank holds.
+state_dict() gathers it back. Rank 0 prints whether that equals the checkpoint's state exactly, and how many state
+bytes each rank holds.
 """
 import sys
 
