@@ -1,10 +1,11 @@
 """ZeRO stage 1 over Horovod (--shard-optimizer): each rank keeps the optimizer state of a 1/N slice of the weights.
 
-A step: every parameter group's gradients are flattened into one vector (padded to a multiple of the ranks) and
-averaged with one grouped reducescatter, so each rank receives the average of its own slice only; the optimizer
-steps that slice (a flat copy of the weights it owns), holding state for it alone; one grouped allgather then
-gives every rank every updated slice, written back into the model. The bytes on the wire are those of an allreduce
-(a reducescatter and an allgather are its two halves); the state per rank is 1/N.
+A step: backward() accumulates each parameter group's gradients into one flat buffer, in buckets padded to a
+multiple of the ranks; as soon as a bucket's gradients are complete its reducescatter starts, so each rank receives
+the average of its own part of every bucket while backward() goes on. The optimizer steps those parts, views of
+the weights themselves, with state for them alone; an allgather a bucket then gives every rank every updated part.
+The bytes on the wire are those of an allreduce (a reducescatter and an allgather are its two halves); the state
+per rank is 1/N.
 
 Only element-wise optimizers can step a slice as they would the whole tensor (SGD, Adam, AdamW, Lion, ...): one
 whose update looks at a tensor as a whole (LAMB's and LARS's trust ratios, Adafactor's factored moments) cannot,
@@ -33,9 +34,11 @@ class _Bucket:
 
 class _Group:
     """One parameter group laid out flat: its parameters in order, in buckets of about `bucket` elements (whole
-    parameters), each padded to a multiple of the `size` ranks and dealt in equal parts. This rank's slice is its
-    part of every bucket, back to back: a leaf tensor the optimizer steps. Buckets let the reducescatter of the
-    last layers' gradients start while backward() computes the first ones, and bound the collectives' buffers."""
+    parameters), each padded to a multiple of the `size` ranks and dealt in equal parts. The weights themselves
+    live in one padded buffer (each parameter's .data a view of it), so this rank's part of every bucket is a view
+    the optimizer steps in place: no copy of the weights is kept. Its slice is those parts back to back. Buckets let
+    the reducescatter of the last layers' gradients start while backward() computes the first ones, and bound the
+    collectives' buffers."""
 
     def __init__(self, params, rank, size, bucket):
         self.params, self.rank, self.size = params, rank, size
@@ -52,23 +55,30 @@ class _Group:
         self.total, self.length = start, at
         self.bucket_of = [b for b in self.buckets for _ in range(b.lo, b.hi)]
         first = params[0]
-        self.slice = torch.zeros(self.length, dtype=first.dtype, device=first.device)
+        self.values = torch.zeros(self.total, dtype=first.dtype, device=first.device)
+        self.bind()
+        self.parts = [self.values[b.start + rank * b.part:b.start + (rank + 1) * b.part] for b in self.buckets]
         # The gradients live in one padded buffer that backward() accumulates into (each parameter's .grad a view
         # of it): a bucket's reducescatter sends its part as it is, with no copy made each step.
         self.grads = torch.zeros(self.total, dtype=first.dtype, device=first.device)
-        self.segments = list(self._segments())
-        self.refresh()
 
-    def _segments(self):
-        """(parameter, first element in it, first element in the slice, count) for each piece of a parameter in
-        this rank's parts."""
-        for b in self.buckets:
-            lo, hi = b.start + self.rank * b.part, b.start + (self.rank + 1) * b.part
-            for i in range(b.lo, b.hi):
-                p, offset = self.params[i], self.offsets[i]
-                first, end = max(lo, offset), min(hi, offset + p.numel())
-                if first < end:
-                    yield p, first - offset, b.at + first - lo, end - first
+    @torch.no_grad()
+    def bind(self):
+        """Every parameter's .data a view of the weights' buffer, with the values it holds now. Again whenever a
+        parameter was given other storage since (model.to(), load_state_dict(assign=True))."""
+        for i, p in enumerate(self.params):
+            view = self.view(self.values, i)
+            if p.data.data_ptr() != view.data_ptr():
+                view.copy_(p.data)
+                p.data = view
+
+    def joined(self, tensors):
+        """One tensor per part, as one slice."""
+        return torch.cat(list(tensors))
+
+    def split(self, slice_):
+        """A slice as one view per part."""
+        return [slice_[b.at:b.at + b.part] for b in self.buckets]
 
     def attach_grads(self):
         """Every parameter's .grad a view of the zeroed buffer."""
@@ -87,18 +97,9 @@ class _Group:
         return self.grads[b.start:b.start + self.size * b.part]
 
     @torch.no_grad()
-    def refresh(self):
-        """The slice from the weights (they may have changed outside a step: a broadcast, a checkpoint loaded)."""
-        for p, start, at, count in self.segments:
-            self.slice[at:at + count].copy_(p.reshape(-1)[start:start + count])
-
-    @torch.no_grad()
     def write(self, b, gathered):
-        """Bucket b's padded values, gathered from every rank, into its parameters."""
-        for i in range(b.lo, b.hi):
-            p = self.params[i]
-            offset = self.offsets[i] - b.start
-            p.copy_(gathered[offset:offset + p.numel()].view(p.shape))
+        """Bucket b's padded values, gathered from every rank, into the weights' buffer (one copy)."""
+        self.values[b.start:b.start + self.size * b.part].copy_(gathered)
 
     def view(self, flat, i):
         p = self.params[i]
@@ -107,7 +108,7 @@ class _Group:
     def flat(self, tensors):
         """`tensors` (one per parameter, None for zeros) as one padded buffer."""
         first = next((t for t in tensors if t is not None), self.params[0])
-        out = torch.zeros(self.total, dtype=first.dtype, device=self.slice.device)
+        out = torch.zeros(self.total, dtype=first.dtype, device=self.values.device)
         for i, t in enumerate(tensors):
             if t is not None:
                 self.view(out, i).copy_(t)
@@ -180,7 +181,7 @@ class ShardedOptimizer:
         self.where = {p: (gi, g.bucket_of[i]) for gi, g in enumerate(self.groups) for i, p in enumerate(g.params)}
         live = iter(self.groups)
         for group, params in zip(self.optimizer.param_groups, self.params):
-            group["params"] = [next(live).slice] if params else []
+            group["params"] = list(next(live).parts) if params else []
         self.optimizer.state.clear()
 
     def zero_grad(self, set_to_none=True):
@@ -188,7 +189,8 @@ class ShardedOptimizer:
         self.synced = False
         for g in self.groups:
             g.attach_grads()
-            g.slice.grad = None
+            for part in g.parts:
+                part.grad = None
 
     def drain(self):
         """Wait for reducescatters still under way (a step given up after backward): Horovod's queue stays whole."""
@@ -224,12 +226,10 @@ class ShardedOptimizer:
                 self._launch(gi, b)
         with torch.profiler.record_function("horovod_synchronize"):
             for gi, g in enumerate(self.groups):
-                grad = torch.empty_like(g.slice)
-                for b in g.buckets:
+                g.bind()
+                for b, part in zip(g.buckets, g.parts):
                     handle, ctx = self.handles.pop((gi, id(b)))
-                    grad[b.at:b.at + b.part] = self.compression.decompress(hvd.synchronize(handle), ctx)
-                g.slice.grad = grad
-                g.refresh()
+                    part.grad = self.compression.decompress(hvd.synchronize(handle), ctx).to(part.dtype)
         self.passes_seen, self.ready, self.synced = {}, {}, True
 
     def follow_workers(self):
@@ -259,8 +259,7 @@ class ShardedOptimizer:
         at once, so their buffers stay small), written into the model."""
         pending = collections.deque()
         for gi, g in enumerate(self.groups):
-            for b in g.buckets:
-                part = g.slice[b.at:b.at + b.part]
+            for b, part in zip(g.buckets, g.parts):
                 pending.append((g, b, hvd.allgather_async(part, name=f"zero.weights.{gi}.{b.lo}")))
                 if len(pending) >= GATHERS_IN_FLIGHT:
                     g0, b0, handle = pending.popleft()
@@ -278,13 +277,13 @@ class ShardedOptimizer:
     def clip_grad_norm_(self, max_norm):
         """Clip the averaged gradients to a global norm of max_norm: squares summed over this rank's slices, then
         over the ranks (padding adds zeros). Returns the norm before clipping."""
-        local = sum((g.slice.grad.float().pow(2).sum() for g in self.groups if g.slice.grad is not None),
-                    torch.zeros((), device=self.groups[0].slice.device))
+        parts = [part for g in self.groups for part in g.parts if part.grad is not None]
+        local = sum((part.grad.float().pow(2).sum() for part in parts),
+                    torch.zeros((), device=self.groups[0].values.device))
         total = hvd.allreduce(local, op=hvd.Sum, name="zero.grad_norm").sqrt()
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in self.groups:
-            if g.slice.grad is not None:
-                g.slice.grad.mul_(factor.to(g.slice.grad.dtype))
+        for part in parts:
+            part.grad.mul_(factor.to(part.grad.dtype))
         return total
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -297,11 +296,12 @@ class ShardedOptimizer:
         self.follow_workers()
         inner = self.optimizer.state_dict()
         keys = []  # (group, key) of every per-element tensor, gathered in one call
+        own = [self.state_of(g) for g in self.groups]
         for i, g in enumerate(self.groups):
-            for key, value in self.optimizer.state.get(g.slice, {}).items():
-                if _per_element(key, value, g.slice.shape):
+            for key, values in own[i].items():
+                if all(_per_element(key, v, part.shape) for v, part in zip(values, g.parts)):
                     keys.append((i, key))
-        gathered = hvd.grouped_allgather([self.optimizer.state[self.groups[i].slice][k] for i, k in keys],
+        gathered = hvd.grouped_allgather([self.groups[i].joined(own[i][k]) for i, k in keys],
                                          name="zero.state") if keys else []
         full = {(i, k): self.groups[i].from_gathered(flat) for (i, k), flat in zip(keys, gathered)}
         state, param_groups, index = {}, [], 0
@@ -313,9 +313,9 @@ class ShardedOptimizer:
             if not params:
                 continue
             i, g = next(live)
-            own = self.optimizer.state.get(g.slice, {})
             per_param = [dict() for _ in params]
-            for key, value in own.items():
+            for key, values in own[i].items():
+                value = values[0]
                 if (i, key) in full:
                     for d, t in zip(per_param, g.unflatten(full[(i, key)])):
                         d[key] = t.clone()
@@ -324,6 +324,11 @@ class ShardedOptimizer:
                         d[key] = value.clone() if torch.is_tensor(value) else value
             state.update({pid: d for pid, d in zip(ids, per_param) if d})
         return {"state": state, "param_groups": param_groups}
+
+    def state_of(self, g):
+        """Group g's state: {key: [its value for each part]}; {} before the first step."""
+        states = [self.optimizer.state.get(part, {}) for part in g.parts]
+        return {key: [s[key] for s in states] for key in states[0]} if states and states[0] else {}
 
     def load_state_dict(self, state_dict):
         """The unsharded form (a checkpoint's, sharded or not when written): this rank keeps its slices of it, laid
@@ -346,13 +351,15 @@ class ShardedOptimizer:
                 holders = [(e[key], p) for e, p in zip(entries, g.params) if key in e]
                 if all(_per_element(key, value, p.shape) for value, p in holders):
                     # Parameters the saved optimizer had no state for (never given a gradient) start from zeros.
-                    flat = g.flat([e[key].to(g.slice.device) if key in e else None for e in entries])
-                    own[key] = g.own(flat).to(g.slice.dtype).clone()
+                    flat = g.flat([e[key].to(g.values.device) if key in e else None for e in entries])
+                    own[key] = g.split(g.own(flat).to(g.values.dtype))
                 else:
                     value = holders[0][0]
-                    own[key] = value.to(g.slice.device).clone() if torch.is_tensor(value) else value
-            if own:
-                self.optimizer.state[g.slice] = own
+                    own[key] = [value.to(g.values.device) if torch.is_tensor(value) else value] * len(g.parts)
+            for k, part in enumerate(g.parts):
+                if own:
+                    self.optimizer.state[part] = {key: v[k].clone() if torch.is_tensor(v[k]) else v[k]
+                                                  for key, v in own.items()}
         self.loaded = state_dict
 
     def broadcast_from(self, root_rank=0):

@@ -39,6 +39,10 @@ class Config:
                  "horovod.shard_optimizer (--shard-optimizer)", True,
                  f"cannot shard --opt {self.optim.optimizer}: its update looks at whole tensors, and a rank holds a "
                  f"flat slice; use one of {', '.join(SHARDABLE)}, or leave out --shard-optimizer")
+        _require(not (self.horovod.shard_optimizer and self.model.channels_last),
+                 "horovod.shard_optimizer (--shard-optimizer)", True, "cannot be combined with --channels-last: "
+                 "the sharded optimizer keeps the weights in one flat buffer, in the default layout; leave out one "
+                 "of them")
         _require(not (self.model.channels_last and self.horovod.elastic), "model.channels_last (--channels-last)",
                  True, "cannot be combined with --elastic: Horovod's elastic state broadcasts the weights as they "
                  "are, and its collectives take only tensors in the default layout")

@@ -187,7 +187,7 @@ def log_setup(cfg, rt, info, trainer, resumed_epoch):
     if cfg.horovod.shard_optimizer and rt.size > 1:
         log.info("optimizer state sharded over %d ranks (ZeRO-1, --shard-optimizer): %s state for %.2fM "
                  "parameters on this rank; checkpoints hold it whole", rt.size, cfg.optim.optimizer,
-                 sum(g.slice.numel() for g in trainer.optimizer.groups) / 1e6)
+                 sum(g.length for g in trainer.optimizer.groups) / 1e6)
     if cfg.model.compile:
         log.info("torch.compile (mode %s): the first training step compiles the model (and the first validation "
                  "batch again, for eval mode), so epoch 1 takes longer", cfg.model.compile_mode)

@@ -39,6 +39,7 @@ BAD_SETTINGS = [
     (["--stop-at", "150"], "--stop-at)=150: val_acc1 is a percentage, so it can never reach 150"),
     (["--shard-optimizer", "--opt", "lamb"], "cannot shard --opt lamb: its update looks at whole tensors"),
     (["--shard-optimizer", "--use-adasum"], "--shard-optimizer)=True: cannot be combined with --use-adasum"),
+    (["--shard-optimizer", "--channels-last"], "cannot be combined with --channels-last"),
 ]
 
 
