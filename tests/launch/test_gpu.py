@@ -100,6 +100,16 @@ def test_fp16_amp_with_the_gradient_scaler_and_clipping_trains_the_digits(tmp_pa
     assert scaler and scaler["scale"] > 0 and scaler["_growth_tracker"] >= 0  # the scaler ran and was saved
 
 
+@pytest.mark.skipif(NP < 2, reason="a sharded optimizer needs 2 ranks, and ranks need a GPU each")
+def test_a_sharded_optimizer_with_fp16_amp_and_clipping_trains_the_digits(tmp_path):
+    # The scaler finds overflows in each rank's slice; every rank must skip the same steps (params_in_sync).
+    proc = launch("horovodrun-gloo", NP, TRAIN, "--amp", "fp16", "--clip-grad", "1.0", "--epochs", "5", "--opt",
+                  "adamw", "--lr", "0.002", "--shard-optimizer", "--output-dir", tmp_path, *QUIET)
+    assert f"optimizer state sharded over {NP} ranks" in proc.stdout
+    s = read_json(tmp_path / "summary.json")
+    assert _finite_history(s) and s["params_in_sync"] and s["final_val_acc1"] >= 85.0
+
+
 @needs_torchvision
 @RANKS
 def test_sync_bn_layers_are_horovods_and_compute_statistics_over_all_ranks(tmp_path, worker, np):
