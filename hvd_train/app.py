@@ -8,6 +8,7 @@ import importlib
 import logging
 import signal
 import sys
+import time
 import traceback
 
 import torch
@@ -24,6 +25,9 @@ from hvd_utils.elastic import under_elastic_launcher
 log = logging.getLogger("hvd_train")
 
 # hvd-train SUBCOMMAND ...: the module whose main(argv) runs it, and what it does (`hvd-train --help` lists them).
+# Before Horovod starts, a rank other than 0 that refuses its settings waits this long for the launcher to end it.
+QUIET_RANK_WAIT_S = 60.0
+
 SUBCOMMANDS = {
     "doctor": ("hvd_train.tools.doctor", "check the hosts of a job before it runs"),
     "shard": ("hvd_train.tools.shard", "write a data set as tar shards"),
@@ -113,6 +117,17 @@ def measure(cfg, rt):
     return benchmark.run(cfg, rt) if cfg.benchmark.enabled else evaluate.run(cfg, rt)
 
 
+def leave_it_to_rank_0(error):
+    """A rank other than 0 refused its settings before Horovod started. Rank 0 has the same settings: it refuses
+    them too, says why, and exits, and the launcher then ends this rank. Exiting first instead would let the
+    launcher end rank 0 before it has spoken. A rank still here after QUIET_RANK_WAIT_S failed alone (a recipe
+    unreadable on its host, say): it says why itself."""
+    deadline = time.monotonic() + QUIET_RANK_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(1)
+    say(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: error: {error}")
+
+
 def guarded(run):
     """run() with every failure reported once, as the command line and hvd_train.run() do; returns the exit code."""
     code = 1
@@ -123,6 +138,8 @@ def guarded(run):
         # rank 0 alone says it. Exit 2: a setting or a file to fix; 3: the training diverged.
         if hvd_utils.launcher_rank() == 0:
             say(f"train_hvd.py: error: {e}")
+        elif not hvd_utils.started():
+            leave_it_to_rank_0(e)
         code = 3 if isinstance(e, NonFiniteLossError) else 2
     except BadSampleError as e:
         # Met by this rank alone, mid-epoch: it names the file; the other ranks stop as their peer is gone.

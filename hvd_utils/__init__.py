@@ -12,10 +12,10 @@ from hvd_utils import timeline
 from hvd_utils.data import shard_sampler
 from hvd_utils.vote import StepVote
 from hvd_utils.runtime import (PeerFailure, Runtime, gpu_tensors_supported, init, launcher_rank, pin_to_local_rank,
-                               rank, run_on_local_root, shutdown, start, world_size)
+                               rank, run_on_local_root, shutdown, start, started, world_size)
 
 __all__ = ["timeline", "PeerFailure", "Runtime", "gpu_tensors_supported", "init", "start", "pin_to_local_rank",
-           "shard_sampler", "launcher_rank", "run_on_local_root", "shutdown", "world_size",
+           "shard_sampler", "launcher_rank", "run_on_local_root", "shutdown", "started", "world_size",
            "lr_scale", "distributed_optimizer", "apply_gradients", "average_buffers", "broadcast_state",
            "clip_gradients", "unscale_gradients", "optimizer_state_bytes",
            "sync_batch_norm", "decide_on_root", "broadcast_module", "rank", "allreduce_sums",

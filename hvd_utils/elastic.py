@@ -10,7 +10,8 @@ import horovod.torch as hvd
 from horovod.torch.elastic import ElasticSampler, TorchState
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
-from hvd_utils.zero import ShardedOptimizer, broadcast_state_dict
+from hvd_utils.rank0 import broadcast_state_dict
+from hvd_utils.zero import ShardedOptimizer
 
 run = hvd.elastic.run  # decorator: re-enters the function after each reset, from the last committed state
 

@@ -264,6 +264,11 @@ def shutdown():
     hvd.shutdown()
 
 
+def started():
+    """Whether Horovod is running in this process (hvd.init() done, not shut down)."""
+    return hvd.is_initialized()
+
+
 def world_size():
     """The number of ranks now (in an elastic run, of the current set of workers)."""
     return hvd.size()
