@@ -72,10 +72,10 @@ def test_adamw_sharded_equals_unsharded_and_checkpoints_move_between_them_and_wo
     assert "optimizer state sharded over 2 ranks" in proc.stdout
     assert_close(last(whole), last(sharded), **tolerance)
 
-    # Sharded for epoch 1 and unsharded from there, or the other way round: the same weights and state.
-    resume_from(sharded / "checkpoints" / "epoch_0001.pt", tmp_path / "to_whole", *flags)
+    # Sharded for two epochs and unsharded from there, or the other way round: the same weights and state.
+    resume_from(sharded / "checkpoints" / "epoch_0002.pt", tmp_path / "to_whole", *flags)
     assert_close(last(whole), last(tmp_path / "to_whole"), **tolerance)
-    resume_from(whole / "checkpoints" / "epoch_0001.pt", tmp_path / "to_sharded", *flags, "--shard-optimizer")
+    resume_from(whole / "checkpoints" / "epoch_0002.pt", tmp_path / "to_sharded", *flags, "--shard-optimizer")
     assert_close(last(whole), last(tmp_path / "to_sharded"), **tolerance)
 
     # Epoch 1's state dealt over 3 ranks (the slices padded unevenly) and gathered back: the same state; each rank
