@@ -60,6 +60,7 @@ class _Guard:
         self.writing = 0             # checkpoint writes in progress in the main thread (nesting count)
         self.background = 0          # checkpoint writes in progress on a thread of their own
         self.reported = False
+        self.announced = False       # the line saying a signal has the run save and stop was printed
         self.cond = threading.Condition()
         self.describe = None         # () -> where the run stands, on the rank that reports
         self.report_here = False     # this rank prints the message (rank 0)
@@ -176,7 +177,7 @@ def _watch(read_fd):
         if any(b in SIGNALS for b in data):
             break
     if g.save_first and g.signum in SAVE_FIRST:
-        announce()
+        announce(g.signum)
     with g.cond:
         # A save-first signal: the training loop saves at its next step and stops the process itself; as long as
         # it moves (steps, validation batches) it is let be. A write under way is always finished.
@@ -190,18 +191,22 @@ def _watch(read_fd):
     os._exit(Interrupted(g.signum or signal.SIGTERM).exit_code)
 
 
-def announce():
-    """Say at once (the reporting rank) that a signal has the run save at its next step and stop: the line stays
-    even where the process is killed before the checkpoint is written."""
-    if not _guard.report_here:
-        return
+def announce(signum):
+    """Say once (the reporting rank) that signal `signum` has the run save at its next step and stop: the line stays
+    even where the process is killed before the checkpoint is written. Said by the thread that saw the signal, or
+    by the training loop when the ranks agreed on it first (under load that thread may not have run yet, or the
+    signal reached another rank first)."""
+    with _guard.cond:
+        if _guard.announced or not _guard.report_here:
+            return
+        _guard.announced = True
     where = ""
     if _guard.describe is not None:
         try:
             where = " " + _guard.describe().split(";")[0]
         except Exception:  # the state may be mid-update in the main thread
             pass
-    say(f"train_hvd.py: {signal.Signals(_guard.signum).name}{where}: every rank saves a checkpoint at its next step, "
+    say(f"train_hvd.py: {signal.Signals(signum).name}{where}: every rank saves a checkpoint at its next step, "
         f"then stops")
 
 

@@ -60,6 +60,8 @@ class StepSaves:
             hvd_utils.decide_on_root(self.checkpointer.raise_failure, "background_write")
         stop = agreed[SIGTERM] or agreed[SIGUSR1] or agreed[TIME_LIMIT]
         due = self.every_steps and self.after_epoch.state.step % self.every_steps == 0
+        if agreed[SIGTERM] or agreed[SIGUSR1]:
+            interrupt.announce(signal.SIGUSR1 if agreed[SIGUSR1] else signal.SIGTERM)
         if stop or agreed[SAVE] or due:
             check_finite(sums, epoch, step)  # a checkpoint never holds weights a NaN has reached
             self.save(epoch, step, steps, sums)
