@@ -44,14 +44,12 @@ class _ShardedStateHandler(StateHandler):
         self.value.committed = _to_cpu(full)
 
     def restore(self):
-        self.value.load_state_dict(self.value.committed)
-        self.value.loaded = None
+        self.value.deal(self.value.committed)
 
     def sync(self):
         full = broadcast_state_dict(self.value.committed if hvd.rank() == 0 else None, 0, "zero.elastic")
         self.value.committed = full
-        self.value.load_state_dict(full)
-        self.value.loaded = None
+        self.value.deal(full)
 
 
 def _to_cpu(value):

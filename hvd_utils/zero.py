@@ -114,7 +114,8 @@ class ShardedOptimizer:
         self.handles[(gi, id(b))] = (handle, ctx)
 
     def synchronize(self):
-        """Horovod: average the gradients, each rank receiving its own slice (one grouped reducescatter)."""
+        """Horovod: average the gradients, each rank receiving its own part of every bucket (the reducescatters
+        backward() started, and those of buckets it did not finish)."""
         self.follow_workers()
         for gi, g in enumerate(self.groups):  # buckets whose gradients backward() did not all reach (unused)
             for b in g.buckets:
@@ -133,8 +134,7 @@ class ShardedOptimizer:
         if self.world != (hvd.rank(), hvd.size()):
             if self.committed is None:
                 raise RuntimeError("--shard-optimizer: the ranks changed without the optimizer state being reloaded")
-            self.load_state_dict(self.committed)
-            self.loaded = None
+            self.deal(self.committed)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -225,9 +225,9 @@ class ShardedOptimizer:
         states = [self.optimizer.state.get(part, {}) for part in g.parts]
         return {key: [s[key] for s in states] for key in states[0]} if states and states[0] else {}
 
-    def load_state_dict(self, state_dict):
-        """The unsharded form (a checkpoint's, sharded or not when written): this rank keeps its slices of it, laid
-        out for the current world size; kept whole too until broadcast_from() has sent it."""
+    def deal(self, state_dict):
+        """The unsharded form (a checkpoint's or a commit's, sharded or not when written): this rank keeps its
+        slices of it, laid out for the current world size."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.params) or any(len(s["params"]) != len(p) for s, p in zip(groups, self.params)):
             raise ValueError("loaded state dict has a different number of parameter groups or parameters than "
@@ -255,6 +255,11 @@ class ShardedOptimizer:
                 if own:
                     self.optimizer.state[part] = {key: v[k].clone() if torch.is_tensor(v[k]) else v[k]
                                                   for key, v in own.items()}
+
+    def load_state_dict(self, state_dict):
+        """The unsharded form (a checkpoint's, sharded or not when written): this rank keeps its slices of it (deal),
+        and the whole of it until broadcast_from() has sent it."""
+        self.deal(state_dict)
         self.loaded = state_dict
 
     def broadcast_from(self, root_rank=0):
@@ -267,8 +272,7 @@ class ShardedOptimizer:
             return  # a fresh start: no state anywhere yet
         full = broadcast_state_dict(full, root_rank, "zero.state")
         self.loaded = None
-        self.load_state_dict(full)
-        self.loaded = None
+        self.deal(full)
 
 
 def _per_element(key, value, shape):
