@@ -10,6 +10,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from common import fixed_batch, rate_summary, sgd_step, step_args, threads_for, timed_rates, write_result
@@ -18,6 +19,8 @@ from hvd_train.models import build_model
 
 def main():
     parser = step_args(__doc__.splitlines()[0])
+    parser.add_argument("--bf16-compress", action="store_true",
+                        help="DDP's bf16_compress_hook: gradients travel as bfloat16 (the peer of --bf16-allreduce)")
     args = parser.parse_args()
     if args.amp == "fp16":
         parser.error("--amp fp16 needs a GPU, and this peer runs on CPUs over Gloo (as in the app: use bf16)")
@@ -30,13 +33,16 @@ def main():
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    if args.bf16_compress:
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * world, momentum=0.9)
     step = sgd_step(model, optimizer, *fixed_batch(torch, args, seed=rank), amp=args.amp)
     rates = timed_rates(step, args.batch_size, args.num_warmup_batches, args.num_iters, args.num_batches_per_iter)
     gathered = [None] * world
     dist.all_gather_object(gathered, rates)
     if rank == 0:
-        write_result(args.out, {"peer": "torchrun_ddp_gloo", "model": args.model, "world_size": world,
+        write_result(args.out, {"peer": "torchrun_ddp_gloo", "bf16_compress": args.bf16_compress,
+                                "model": args.model, "world_size": world,
                                 "threads_per_rank": threads, **rate_summary(gathered)})
     # Both ranks leave together: a rank tearing down its Gloo connections while the other still polls them can make
     # Gloo throw in a background thread (std::terminate, SIGABRT); seen once in CI, not reproduced in 25 runs.

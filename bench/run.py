@@ -7,7 +7,7 @@ bench/results/<date>.json and .md and prints the table.
     python bench/run.py                  # everything (about 35 minutes on 2 cores)
     python bench/run.py --quick          # the same pipeline on tiny settings (a minute or two; used by the tests)
     python bench/run.py --sections overhead,peer
-    python bench/run.py --sections peer,comm,allreduce   # the communication figures (about 15 minutes)
+    python bench/run.py --sections peer,comm,allreduce   # the communication figures, the bfloat16 wire among them
     python bench/run.py --sections data   # loaders (image folder, tar shards) against a training step
     python bench/run.py --sections recipe   # plain vs default augmentation vs the full recipe, and timm's loop
     python bench/run.py --sections checkpoint   # the training step's stall per checkpoint, in the step vs background
@@ -203,7 +203,32 @@ def section_comm(b):
     rows = [ratio_row(name, "app (horovodrun, MPI) / torchrun DDP (Gloo), 1 thread per rank", ">= 1.20", xs, ys)]
     xs, ys = b.alternate(lambda: app(env), lambda: app(job_env(**GLIBC_MALLOC)))
     rows.append(ratio_row(name, "app: malloc keeps freed memory (default) / glibc's malloc", ">= 1 keeps it", xs, ys))
-    return rows
+    return rows + wire_rows(b, name, model, size, batch, steps, env)
+
+
+def wire_rows(b, name, model, size, batch, steps, env):
+    """Gradients on the wire as bfloat16 (--bf16-allreduce, Horovod's core patched for it): against float32 and
+    fp16 in the app, and against DDP given its bf16_compress_hook, the fair peer for a bfloat16 wire. The four run
+    in turn each repeat, the first of them rotating."""
+    runs = {
+        "bf16": lambda: b.app(horovodrun(2, "mpi"), model, size, batch, steps, env, ["--bf16-allreduce"]),
+        "fp32": lambda: b.app(horovodrun(2, "mpi"), model, size, batch, steps, env),
+        "fp16": lambda: b.app(horovodrun(2, "mpi"), model, size, batch, steps, env, ["--fp16-allreduce"]),
+        "ddp_bf16": lambda: b.peer(torchrun(2), "bench/ddp_peer.py", model, size, batch, steps, env,
+                                   ["--bf16-compress"]),
+    }
+    rates = {key: [] for key in runs}
+    order = list(runs)
+    for i in range(b.args.repeats):
+        for key in order[i % len(order):] + order[:i % len(order)]:
+            rates[key].append(runs[key]()["img_per_sec_total"])
+    bf16 = rates["bf16"]
+    return [ratio_row(name, "app --bf16-allreduce / torchrun DDP with bf16_compress_hook (Gloo)", ">= 1.5", bf16,
+                      rates["ddp_bf16"]),
+            ratio_row(name, "app: --bf16-allreduce / float32 allreduce", "> 1 (half the bytes)", bf16,
+                      rates["fp32"]),
+            ratio_row(name, "app: --bf16-allreduce / --fp16-allreduce", "about 1 (as many bytes)", bf16,
+                      rates["fp16"])]
 
 
 def copy_rates(b):

@@ -83,8 +83,8 @@ def allreduce_options(cfg):
     """How Horovod's DistributedOptimizer averages: the horovod.* settings."""
     h = cfg.horovod
     return dict(batches_per_allreduce=h.batches_per_allreduce, fp16_allreduce=h.fp16_allreduce,
-                use_adasum=h.use_adasum, gradient_predivide_factor=h.gradient_predivide_factor, elastic=h.elastic,
-                shard=h.shard_optimizer)
+                bf16_allreduce=h.bf16_allreduce, use_adasum=h.use_adasum,
+                gradient_predivide_factor=h.gradient_predivide_factor, elastic=h.elastic, shard=h.shard_optimizer)
 
 
 def trainer(cfg, info, rt, model, task, optimizer):

@@ -1,12 +1,14 @@
 """Collectives for the communication benchmark (bench/allreduce.py): Horovod's allreduce as training uses it."""
 import horovod.torch as hvd
 
+from hvd_utils.compression import wire_format
 
-def allreduce_average(tensors, name, fp16=False):
+
+def allreduce_average(tensors, name, fp16=False, bf16=False):
     """Average `tensors` across ranks the way DistributedOptimizer does for one step's gradients: every allreduce is
     queued at once (Horovod fuses the ones that are ready in the same cycle, up to the fusion threshold), then
-    waited for. fp16 sends half-precision copies (hvd.Compression.fp16). Returns the averaged tensors."""
-    compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
+    waited for. fp16/bf16 send half-size copies (hvd_utils.compression). Returns the averaged tensors."""
+    compression = wire_format(fp16, bf16)
     pending = []
     for i, tensor in enumerate(tensors):
         sent, ctx = compression.compress(tensor)

@@ -10,6 +10,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedAdasumOptimizer
 
+from hvd_utils.compression import wire_format
 from hvd_utils.zero import ShardedOptimizer
 
 
@@ -20,8 +21,8 @@ def lr_scale(world_size, batches_per_allreduce=1, use_adasum=False):
     return batches_per_allreduce * (1 if use_adasum else world_size)
 
 
-def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allreduce=False, use_adasum=False,
-                          gradient_predivide_factor=1.0, elastic=False, shard=False):
+def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allreduce=False, bf16_allreduce=False,
+                          use_adasum=False, gradient_predivide_factor=1.0, elastic=False, shard=False):
     """Horovod: average gradients across ranks with ring-allreduce during backward(). shard: ZeRO-1 instead
     (hvd_utils/zero.py): a reducescatter of the gradients after backward(), each rank stepping a 1/N slice of the
     weights with its slice of the optimizer state, an allgather of the weights.
@@ -33,7 +34,7 @@ def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allred
     """
     if hvd.size() == 1 and not elastic:
         return optimizer
-    compression = hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none
+    compression = wire_format(fp16_allreduce, bf16_allreduce)
     if shard:  # (the config refuses Adasum with it: Adasum combines whole updates, not averaged slices)
         return ShardedOptimizer(optimizer, compression, prescale=1.0 / gradient_predivide_factor,
                                 postscale=gradient_predivide_factor, backward_passes_per_step=batches_per_allreduce)

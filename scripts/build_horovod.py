@@ -254,6 +254,32 @@ def patches(cxx_standard):
          "# hvd-train: cffi served torch.utils.ffi, gone since torch 1.0; nothing in Horovod imports it.\n",
          "cffi, a leftover of torch < 1.0 that no Horovod module imports, was required to build: an offline build "
          "in an environment without it (a GPU image) failed trying to download it"),
+        ("horovod/common/util.py",
+         "def _check_extension_lambda(ext_base_name, fn, fn_desc, verbose):\n",
+         "def _compiled_flags(ext_base_name):\n"
+         "    # hvd-train: what the torch extension was built with, read from its library alone (ctypes, as\n"
+         "    # HorovodBasics reads it) without importing torch; None where that library does not load.\n"
+         "    if ext_base_name != 'torch':\n"
+         "        return None\n"
+         "    from horovod.common.basics import HorovodBasics\n"
+         "    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))\n"
+         "    try:\n"
+         "        return HorovodBasics(os.path.join(package, 'torch', 'mpi_ops.py'), 'mpi_lib_v2')\n"
+         "    except OSError:\n"
+         "        return None\n"
+         "\n\n"
+         "def _check_extension_lambda(ext_base_name, fn, fn_desc, verbose):\n",
+         "horovodrun's build checks: a cheap reader of the torch extension's build flags (next patch)"),
+        ("horovod/common/util.py",
+         "            ext = importlib.import_module('.' + ext_base_name, 'horovod')\n            result = fn(ext)\n",
+         "            # hvd-train: a build flag comes from the compiled library; only other checks import torch.\n"
+         "            ext = _compiled_flags(ext_base_name) if fn_desc.startswith('built') else None\n"
+         "            if ext is None:\n"
+         "                ext = importlib.import_module('.' + ext_base_name, 'horovod')\n"
+         "            result = fn(ext)\n",
+         "every horovodrun launch forked a child per build flag it checked (MPI, then Gloo), each importing torch "
+         "to read one compiled-in constant: seconds before any rank started. The flags are read from the "
+         "extension's library with ctypes instead"),
         ("horovod/runner/launch.py",
          "    _run(args)\n\n\nif __name__ == '__main__':\n",
          "    # hvd-train: a job ended because a rank exited non-zero is one line with that rank's exit code: the\n"
@@ -272,7 +298,224 @@ def patches(cxx_standard):
          "\n\nif __name__ == '__main__':\n",
          "after a rank's one-line error (exit 2), horovodrun --gloo printed a 20-line Python traceback of its own "
          "and exited 1; it now says which rank ended the job and exits with that rank's code"),
+    ] + bfloat16_patches()
+
+
+def bfloat16_patches():
+    """bfloat16 as a data type of Horovod's core (its release has none: horovod/horovod#4047), so gradients can travel
+    as bfloat16 over MPI, Gloo and NCCL. Sums are computed in float32 and each result rounded once to bfloat16."""
+    why = "bfloat16 in Horovod's core"
+    edits = [
+        ("horovod/common/message.h", "  HOROVOD_BOOL = 9,\n};",
+         "  HOROVOD_BOOL = 9,\n  HOROVOD_BFLOAT16 = 10,  // hvd-train\n};"),
+        ("horovod/common/message.cc",
+         "    case HOROVOD_BOOL:\n      static const std::string bool_(\"bool\");\n      return bool_;\n",
+         "    case HOROVOD_BOOL:\n      static const std::string bool_(\"bool\");\n      return bool_;\n"
+         "    case HOROVOD_BFLOAT16:\n"
+         "      static const std::string bfloat16(\"bfloat16\");\n      return bfloat16;\n"),
+        ("horovod/common/message.cc", "    case HOROVOD_BOOL:\n      return sizeof(bool);\n",
+         "    case HOROVOD_BOOL:\n      return sizeof(bool);\n    case HOROVOD_BFLOAT16:\n      return 2;\n"),
+        # The wire format carries the type as its number; the generated enum learns the new one.
+        ("horovod/common/wire/message_generated.h",
+         "  DataType_HOROVOD_BOOL = 9,\n  DataType_MIN = DataType_HOROVOD_UINT8,\n"
+         "  DataType_MAX = DataType_HOROVOD_BOOL\n",
+         "  DataType_HOROVOD_BOOL = 9,\n  DataType_HOROVOD_BFLOAT16 = 10,\n  DataType_MIN = DataType_HOROVOD_UINT8,\n"
+         "  DataType_MAX = DataType_HOROVOD_BFLOAT16\n"),
+        ("horovod/common/wire/message_generated.h", "(&EnumValuesDataType())[10] {",
+         "(&EnumValuesDataType())[11] {"),
+        ("horovod/common/wire/message_generated.h", "    DataType_HOROVOD_BOOL\n  };\n  return values;",
+         "    DataType_HOROVOD_BOOL,\n    DataType_HOROVOD_BFLOAT16\n  };\n  return values;"),
+        ("horovod/common/wire/message_generated.h", "names[11] = {\n    \"HOROVOD_UINT8\",",
+         "names[12] = {\n    \"HOROVOD_UINT8\","),
+        ("horovod/common/wire/message_generated.h", "    \"HOROVOD_BOOL\",\n    nullptr",
+         "    \"HOROVOD_BOOL\",\n    \"HOROVOD_BFLOAT16\",\n    nullptr"),
+        ("horovod/common/wire/message_generated.h",
+         "IsOutRange(e, DataType_HOROVOD_UINT8, DataType_HOROVOD_BOOL)",
+         "IsOutRange(e, DataType_HOROVOD_UINT8, DataType_HOROVOD_BFLOAT16)"),
+        # The number format: conversions, a value type for Gloo's templated reductions, scaling.
+        ("horovod/common/half.h", "#include <stdint.h>\n", "#include <stdint.h>\n#include <cstring>\n"),
+        ("horovod/common/half.h", "#if HAVE_MPI\nvoid float16_sum(",
+         "// hvd-train: bfloat16 is the upper half of a float32 (float32's exponent, 7 mantissa bits).\n"
+         "inline float BFloat16Bits2Float(uint16_t bits) {\n"
+         "  uint32_t word = static_cast<uint32_t>(bits) << 16;\n"
+         "  float value;\n"
+         "  std::memcpy(&value, &word, sizeof(value));\n"
+         "  return value;\n"
+         "}\n\n"
+         "// Rounds to nearest, ties to even; a NaN stays a quiet NaN.\n"
+         "inline uint16_t Float2BFloat16Bits(float value) {\n"
+         "  uint32_t word;\n"
+         "  std::memcpy(&word, &value, sizeof(word));\n"
+         "  if ((word & 0x7fffffffu) > 0x7f800000u) {\n"
+         "    return static_cast<uint16_t>((word >> 16) | 0x0040u);\n"
+         "  }\n"
+         "  word += 0x7fffu + ((word >> 16) & 1u);\n"
+         "  return static_cast<uint16_t>(word >> 16);\n"
+         "}\n\n"
+         "inline void ScaleBFloat16Bits(const uint16_t* input, uint16_t* output, int64_t num_elements,\n"
+         "                              float scale_factor) {\n"
+         "  for (int64_t i = 0; i < num_elements; ++i) {\n"
+         "    output[i] = Float2BFloat16Bits(scale_factor * BFloat16Bits2Float(input[i]));\n"
+         "  }\n"
+         "}\n\n"
+         "// A bfloat16 for Gloo's reductions (a + b, a * b, min, max): float32 arithmetic, the result rounded once.\n"
+         "struct bfloat16 {\n"
+         "  uint16_t bits = 0;\n"
+         "  bfloat16() = default;\n"
+         "  explicit bfloat16(float value) : bits(Float2BFloat16Bits(value)) {}\n"
+         "  float value() const { return BFloat16Bits2Float(bits); }\n"
+         "};\n"
+         "inline bfloat16 operator+(const bfloat16& a, const bfloat16& b) { return bfloat16(a.value() + b.value()); }\n"
+         "inline bfloat16 operator*(const bfloat16& a, const bfloat16& b) { return bfloat16(a.value() * b.value()); }\n"
+         "inline bool operator<(const bfloat16& a, const bfloat16& b) { return a.value() < b.value(); }\n"
+         "inline bool operator>(const bfloat16& a, const bfloat16& b) { return a.value() > b.value(); }\n\n"
+         "#if HAVE_MPI\nvoid float16_sum("),
+        ("horovod/common/half.h",
+         "void float16_prod(void* invec, void* inoutvec, int* len, MPI_Datatype* datatype);\n",
+         "void float16_prod(void* invec, void* inoutvec, int* len, MPI_Datatype* datatype);\n"
+         "void bfloat16_sum(void* invec, void* inoutvec, int* len, MPI_Datatype* datatype);\n"
+         "void bfloat16_min(void* invec, void* inoutvec, int* len, MPI_Datatype* datatype);\n"
+         "void bfloat16_max(void* invec, void* inoutvec, int* len, MPI_Datatype* datatype);\n"
+         "void bfloat16_prod(void* invec, void* inoutvec, int* len, MPI_Datatype* datatype);\n"),
+        ("horovod/common/half.cc", "#if HAVE_MPI\n// float16 custom data type summation operation.\n",
+         "#if HAVE_MPI\n"
+         "// hvd-train: bfloat16's MPI reductions, each computed in float32 and rounded once.\n"
+         "template <typename Op>\n"
+         "static void BFloat16Reduce(void* invec, void* inoutvec, int len, Op op) {\n"
+         "  auto* in = static_cast<const uint16_t*>(invec);\n"
+         "  auto* inout = static_cast<uint16_t*>(inoutvec);\n"
+         "  for (int i = 0; i < len; ++i) {\n"
+         "    inout[i] = Float2BFloat16Bits(op(BFloat16Bits2Float(inout[i]), BFloat16Bits2Float(in[i])));\n"
+         "  }\n"
+         "}\n\n"
+         "void bfloat16_sum(void* invec, void* inoutvec, int* len, MPI_Datatype* datatype) {\n"
+         "  BFloat16Reduce(invec, inoutvec, *len, [](float a, float b) { return a + b; });\n"
+         "}\n\n"
+         "void bfloat16_min(void* invec, void* inoutvec, int* len, MPI_Datatype* datatype) {\n"
+         "  BFloat16Reduce(invec, inoutvec, *len, [](float a, float b) { return std::min(a, b); });\n"
+         "}\n\n"
+         "void bfloat16_max(void* invec, void* inoutvec, int* len, MPI_Datatype* datatype) {\n"
+         "  BFloat16Reduce(invec, inoutvec, *len, [](float a, float b) { return std::max(a, b); });\n"
+         "}\n\n"
+         "void bfloat16_prod(void* invec, void* inoutvec, int* len, MPI_Datatype* datatype) {\n"
+         "  BFloat16Reduce(invec, inoutvec, *len, [](float a, float b) { return a * b; });\n"
+         "}\n\n"
+         "// float16 custom data type summation operation.\n"),
+        # MPI: a 2-byte datatype and its four reductions, made and freed with float16's.
+        ("horovod/common/mpi/mpi_context.h", "  MPI_Op mpi_float16_prod;\n",
+         "  MPI_Op mpi_float16_prod;\n\n  // hvd-train: bfloat16's.\n"
+         "  MPI_Datatype mpi_bfloat16_t = MPI_DATATYPE_NULL;\n  MPI_Op mpi_bfloat16_sum = MPI_OP_NULL;\n"
+         "  MPI_Op mpi_bfloat16_min = MPI_OP_NULL;\n  MPI_Op mpi_bfloat16_max = MPI_OP_NULL;\n"
+         "  MPI_Op mpi_bfloat16_prod = MPI_OP_NULL;\n"),
+        ("horovod/common/mpi/mpi_context.cc", "  case HOROVOD_FLOAT16:\n    return mpi_float16_t;\n",
+         "  case HOROVOD_FLOAT16:\n    return mpi_float16_t;\n  case HOROVOD_BFLOAT16:\n    return mpi_bfloat16_t;\n"),
     ]
+    for name, mpi_op in (("sum", "MPI_SUM"), ("min", "MPI_MIN"), ("max", "MPI_MAX"), ("prod", "MPI_PROD")):
+        edits.append(("horovod/common/mpi/mpi_context.cc",
+                      f"  return dtype == HOROVOD_FLOAT16 ? mpi_float16_{name} : {mpi_op};",
+                      f"  if (dtype == HOROVOD_BFLOAT16) {{\n    return mpi_bfloat16_{name};\n  }}\n"
+                      f"  return dtype == HOROVOD_FLOAT16 ? mpi_float16_{name} : {mpi_op};"))
+    create = ("  MPI_Type_contiguous(2, MPI_BYTE, &mpi_bfloat16_t);\n  MPI_Type_commit(&mpi_bfloat16_t);\n"
+              "  MPI_Op_create(&bfloat16_sum, 1, &mpi_bfloat16_sum);\n"
+              "  MPI_Op_create(&bfloat16_min, 1, &mpi_bfloat16_min);\n"
+              "  MPI_Op_create(&bfloat16_max, 1, &mpi_bfloat16_max);\n"
+              "  MPI_Op_create(&bfloat16_prod, 1, &mpi_bfloat16_prod);\n")
+    edits += [
+        ("horovod/common/mpi/mpi_context.cc",
+         "  CreateMPILocalAndCrossComm(mpi_comm, local_comm, cross_comm);\n\n  CreateMPIFloat16TypeAndOps(",
+         "  CreateMPILocalAndCrossComm(mpi_comm, local_comm, cross_comm);\n\n" + create +
+         "  CreateMPIFloat16TypeAndOps("),
+        ("horovod/common/mpi/mpi_context.cc", "  }\n\n  CreateMPIFloat16TypeAndOps(",
+         "  }\n\n" + create + "  CreateMPIFloat16TypeAndOps("),
+        ("horovod/common/mpi/mpi_context.cc",
+         "  if (mpi_float16_prod != MPI_OP_NULL) {\n    MPI_Op_free(&mpi_float16_prod);\n  }\n",
+         "  if (mpi_float16_prod != MPI_OP_NULL) {\n    MPI_Op_free(&mpi_float16_prod);\n  }\n"
+         "  if (mpi_bfloat16_t != MPI_DATATYPE_NULL) {\n    MPI_Type_free(&mpi_bfloat16_t);\n  }\n"
+         "  for (MPI_Op* op : {&mpi_bfloat16_sum, &mpi_bfloat16_min, &mpi_bfloat16_max, &mpi_bfloat16_prod}) {\n"
+         "    if (*op != MPI_OP_NULL) {\n      MPI_Op_free(op);\n    }\n  }\n"),
+        # Gloo, and the CPU scaling of prescale/postscale (an average's 1/N).
+        ("horovod/common/ops/gloo_operations.cc",
+         "  case HOROVOD_BOOL:\n    return new GlooAlgorithms<bool>(gloo_context);\n",
+         "  case HOROVOD_BOOL:\n    return new GlooAlgorithms<bool>(gloo_context);\n"
+         "  case HOROVOD_BFLOAT16:\n    return new GlooAlgorithms<bfloat16>(gloo_context);\n"),
+        ("horovod/common/ops/collective_operations.cc",
+         "  case HOROVOD_FLOAT64:\n    ScaleBufferCPUImpl((const double*)fused_input_data,",
+         "  case HOROVOD_BFLOAT16:\n    ScaleBFloat16Bits((const uint16_t*)fused_input_data, (uint16_t*)buffer_data,\n"
+         "                      num_elements, (float)scale_factor);\n    break;\n"
+         "  case HOROVOD_FLOAT64:\n    ScaleBufferCPUImpl((const double*)fused_input_data,"),
+        # torch: the tensor type both ways.
+        ("horovod/torch/adapter_v2.cc", "  case common::HOROVOD_FLOAT16:\n    return ::torch::kHalf;\n",
+         "  case common::HOROVOD_FLOAT16:\n    return ::torch::kHalf;\n"
+         "  case common::HOROVOD_BFLOAT16:\n    return ::torch::kBFloat16;\n"),
+        ("horovod/torch/adapter_v2.cc", "  case ::torch::kHalf:\n    return common::HOROVOD_FLOAT16;\n",
+         "  case ::torch::kHalf:\n    return common::HOROVOD_FLOAT16;\n"
+         "  case ::torch::kBFloat16:\n    return common::HOROVOD_BFLOAT16;\n"),
+        # NCCL has bfloat16; its scaling kernels get a float32-math one.
+        ("horovod/common/ops/nccl_operations.cc", "  case HOROVOD_FLOAT16:\n    return ncclFloat16;\n",
+         "  case HOROVOD_FLOAT16:\n    return ncclFloat16;\n  case HOROVOD_BFLOAT16:\n    return ncclBfloat16;\n"),
+        ("horovod/common/ops/cuda/cuda_kernels.cu", "#include <cuda_fp16.h>\n",
+         "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"),
+        ("horovod/common/ops/cuda/cuda_kernels.cu", "#define NTHREADS_SCALE_BUFFER_KERNEL 512\n",
+         "// hvd-train: bfloat16 scaled in float32, each value rounded once (every architecture).\n"
+         "__global__ void scale_buffer_bf16_k(const __nv_bfloat16* input, __nv_bfloat16* output,\n"
+         "                                    int64_t num_elements, const float scale_factor) {\n"
+         "  const size_t idx = static_cast<size_t>(blockDim.x) * blockIdx.x + threadIdx.x;\n"
+         "  for (size_t i = idx; i < num_elements; i += gridDim.x * blockDim.x) {\n"
+         "    output[i] = __float2bfloat16(scale_factor * __bfloat162float(input[i]));\n"
+         "  }\n"
+         "}\n\n"
+         "#define NTHREADS_SCALE_BUFFER_KERNEL 512\n"),
+        ("horovod/common/ops/cuda/cuda_kernels.cu",
+         "    case HOROVOD_FLOAT32:\n      scale_buffer_k<<<blocks, threads, 0, stream>>>((const float*)",
+         "    case HOROVOD_BFLOAT16:\n"
+         "      scale_buffer_bf16_k<<<blocks, threads, 0, stream>>>((const __nv_bfloat16*) fused_input_data,\n"
+         "          (__nv_bfloat16*) buffer_data, num_elements, (float) scale_factor);\n"
+         "      break;\n"
+         "    case HOROVOD_FLOAT32:\n      scale_buffer_k<<<blocks, threads, 0, stream>>>((const float*)"),
+        ("horovod/common/ops/cuda/cuda_kernels.cu",
+         "template<typename T, int blocks_per_copy, typename TS>\n__global__ void batched_scaled_memcpy_k(",
+         "// hvd-train: bfloat16, scaled in float32.\n"
+         "template<typename TL, int blocks_per_copy>\n"
+         "__device__ void batched_scaled_memcpy_d(size_t idx, const __nv_bfloat16* input, __nv_bfloat16* output,\n"
+         "                                        size_t size, const float scale_factor) {\n"
+         "  const int64_t num_words = size / sizeof(TL);\n"
+         "  const TL* read_ptr = reinterpret_cast<const TL*>(input);\n"
+         "  TL* write_ptr = reinterpret_cast<TL*>(output);\n"
+         "  for (size_t i = idx; i < num_words; i += blockDim.x * blocks_per_copy) {\n"
+         "    TL word = read_ptr[i];\n"
+         "    __nv_bfloat16* val = reinterpret_cast<__nv_bfloat16*>(&word);\n"
+         "    for (int j = 0; j < sizeof(TL) / sizeof(__nv_bfloat16); ++j) {\n"
+         "      val[j] = __float2bfloat16(scale_factor * __bfloat162float(val[j]));\n"
+         "    }\n"
+         "    write_ptr[i] = word;\n"
+         "  }\n"
+         "  size_t remainder = (size % sizeof(TL)) / sizeof(__nv_bfloat16);\n"
+         "  if (remainder > 0 && idx < remainder) {\n"
+         "    const __nv_bfloat16* input_r = reinterpret_cast<const __nv_bfloat16*>(read_ptr + num_words);\n"
+         "    __nv_bfloat16* output_r = reinterpret_cast<__nv_bfloat16*>(write_ptr + num_words);\n"
+         "    output_r[idx] = __float2bfloat16(scale_factor * __bfloat162float(input_r[idx]));\n"
+         "  }\n"
+         "}\n\n"
+         "template<typename T, int blocks_per_copy, typename TS>\n__global__ void batched_scaled_memcpy_k("),
+        ("horovod/common/ops/cuda/cuda_kernels.cu",
+         "   case HOROVOD_FLOAT32:\n     batched_scaled_memcpy_k<float,",
+         "   case HOROVOD_BFLOAT16:\n"
+         "     batched_scaled_memcpy_k<__nv_bfloat16, BLOCKS_PER_COPY_D2D_KERNEL><<<blocks, threads, 0, stream>>>(\n"
+         "         params, (float) scale_factor);\n"
+         "     break;\n"
+         "   case HOROVOD_FLOAT32:\n     batched_scaled_memcpy_k<float,"),
+    ]
+    # The torch extension's bindings: each HalfTensor one gains its BFloat16Tensor twin (CPU, GPU, GPU-through-CPU).
+    split = "\n        "
+    for op, fn, cpu_sep in (("allreduce", "DoAllreduce", " "), ("grouped_allreduce", "DoGroupedAllreduce", " "),
+                            ("allgather", "DoAllgather", " "), ("grouped_allgather", "DoGroupedAllgather", split),
+                            ("broadcast", "DoBroadcast", " "), ("alltoall", "DoAlltoall", " "),
+                            ("reducescatter", "DoReducescatter", " "),
+                            ("grouped_reducescatter", "DoGroupedReducescatter", split)):
+        for device, target, sep in (("", fn, cpu_sep), ("cuda_", fn, cpu_sep), ("cuda_", fn + "CudaOnCPU", split)):
+            half = f'  m.def("horovod_torch_{op}_async_torch_{device}HalfTensor",{sep}&{target});\n'
+            edits.append(("horovod/torch/mpi_ops_v2.cc", half, half + half.replace("HalfTensor", "BFloat16Tensor")))
+    return [(rel, old, new, why) for rel, old, new in edits]
 
 
 def apply_patches(src_dir, cxx_standard):

@@ -12,6 +12,9 @@ class HorovodConfig(_Section):
                                      flags=("batches-per-allreduce",))
     fp16_allreduce: bool = opt(False, "compress gradients to fp16 for the allreduce (half the bytes on the wire)",
                                flags=("fp16-allreduce",))
+    bf16_allreduce: bool = opt(False, "send gradients as bfloat16 (half the bytes, float32's range: no overflow "
+                               "where fp16's 65504 ends); summed in float32 and rounded once",
+                               flags=("bf16-allreduce",))
     use_adasum: bool = opt(False, "combine gradients with Adasum instead of averaging them", flags=("use-adasum",))
     shard_optimizer: bool = opt(False, "ZeRO-1: each rank keeps the optimizer state of 1/N of the weights "
                                 "(reducescatter, step a slice, allgather); element-wise optimizers",
@@ -38,6 +41,11 @@ class HorovodConfig(_Section):
                  "must be a time in milliseconds, e.g. 10, or 0 for the default")
         _require(not (self.use_adasum and self.gradient_predivide_factor != 1.0), "horovod.use_adasum",
                  self.use_adasum, "cannot be combined with gradient_predivide_factor != 1")
+        _require(not (self.fp16_allreduce and self.bf16_allreduce), "horovod.bf16_allreduce (--bf16-allreduce)",
+                 True, "cannot be combined with --fp16-allreduce: gradients travel in one format; choose one")
+        _require(not (self.use_adasum and self.bf16_allreduce), "horovod.bf16_allreduce (--bf16-allreduce)", True,
+                 "cannot be combined with --use-adasum: Horovod's Adasum reduces float16, float32 and float64 only; "
+                 "leave out one of them")
         _require(not (self.use_adasum and self.shard_optimizer), "horovod.shard_optimizer (--shard-optimizer)", True,
                  "cannot be combined with --use-adasum: Adasum combines whole updates, a sharded optimizer steps "
                  "slices of averaged gradients; leave out one of them")

@@ -171,7 +171,8 @@ def run(cfg, rt):
             "controller": rt.controller, "tensor_ops": rt.tensor_ops, "amp": cfg.optim.amp,
             "channels_last": is_channels_last(trainer.model),  # the weights' layout as trained, not just the setting
             "fusion_threshold_mb": rt.fusion_threshold_mb, "cycle_time_ms": rt.cycle_time_ms,
-            "fp16_allreduce": cfg.horovod.fp16_allreduce, "optimizer": cfg.optim.optimizer,
+            "fp16_allreduce": cfg.horovod.fp16_allreduce, "bf16_allreduce": cfg.horovod.bf16_allreduce,
+            "optimizer": cfg.optim.optimizer,
             "shard_optimizer": cfg.horovod.shard_optimizer,
             "parameters": sum(p.numel() for p in trainer.model.parameters()),
             "optimizer_state_bytes_by_rank": [int(h[0]) for h in held],

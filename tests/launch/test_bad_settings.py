@@ -40,6 +40,8 @@ BAD_SETTINGS = [
     (["--shard-optimizer", "--opt", "lamb"], "cannot shard --opt lamb: its update looks at whole tensors"),
     (["--shard-optimizer", "--use-adasum"], "--shard-optimizer)=True: cannot be combined with --use-adasum"),
     (["--shard-optimizer", "--channels-last"], "cannot be combined with --channels-last"),
+    (["--bf16-allreduce", "--fp16-allreduce"], "--bf16-allreduce)=True: cannot be combined with --fp16-allreduce"),
+    (["--bf16-allreduce", "--use-adasum"], "Adasum reduces float16, float32 and float64 only"),
 ]
 
 

@@ -201,6 +201,8 @@ def test_bench_comm_and_compile_sections_write_their_rows(tmp_path):
     for (figure, compared), row in rows.items():
         assert row["ratio"]["n"] == 1 and row["a"]["median"] > 0 and row["b"]["median"] > 0, (figure, compared)
     assert sum("empty cache" in c for _, c in rows) == 1 and sum("cached (rerun)" in c for _, c in rows) == 1
+    # The bfloat16 wire against DDP's bf16_compress_hook, float32 and fp16.
+    assert sum("--bf16-allreduce /" in c for _, c in rows) == 3
 
 
 def test_bench_recipe_section_compares_the_recipes_with_timms_loop(tmp_path):
