@@ -112,6 +112,28 @@ def assert_refused(result, *needles):
     return lines[0]
 
 
+def check_wire_formats(got, np):
+    """What tests/workers/wire_formats.py saved on `np` ranks: float32 exact, fp16 overflowed, bfloat16 finite and
+    rounded only as bfloat16 rounds, and bfloat16 through reducescatter, allgather and broadcast."""
+    import torch
+
+    base = torch.tensor([1e5, 1.001, 1e-3, -2.5]) * sum(range(1, np + 1)) / np
+    exact = torch.stack([base, 2 * base])
+    torch.testing.assert_close(got["fp32"], exact, rtol=1e-6, atol=0)
+    assert torch.isinf(got["fp16"][:, 0]).all(), "1e5 is beyond fp16's range: the fp16 wire should overflow"
+    bf16 = got["bf16"]
+    assert bf16.dtype == torch.float32 and torch.isfinite(bf16).all()
+    # bfloat16 keeps 8 significant bits: each value sent, the sum and the average rounded once each.
+    torch.testing.assert_close(bf16, exact, rtol=3 * 2.0 ** -8, atol=0)
+    assert not torch.equal(bf16, exact), "the bfloat16 wire should round (1.001 has no bfloat16 twin)"
+    # The other collectives on bfloat16 tensors.
+    assert got["reducescatter"].dtype == torch.bfloat16
+    torch.testing.assert_close(got["reducescatter"].float(), base.unsqueeze(0), rtol=3 * 2.0 ** -8, atol=0)
+    rows = torch.stack([(r + 1) * torch.tensor([1e5, 1.001, 1e-3, -2.5]) for r in range(np)])
+    assert torch.equal(got["allgather"], rows.to(torch.bfloat16))
+    assert torch.equal(got["broadcast"], rows[-1].to(torch.bfloat16))
+
+
 @dataclass
 class AppResult:
     """What an in-process run of the app's command line ended with (named like subprocess.CompletedProcess's)."""

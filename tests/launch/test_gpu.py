@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import QUIET, ROOT, TRAIN, job_env, launch, read_json
+from conftest import QUIET, ROOT, TRAIN, check_wire_formats, job_env, launch, read_json
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -108,6 +108,15 @@ def test_a_sharded_optimizer_with_fp16_amp_and_clipping_trains_the_digits(tmp_pa
     assert f"optimizer state sharded over {NP} ranks" in proc.stdout
     s = read_json(tmp_path / "summary.json")
     assert _finite_history(s) and s["params_in_sync"] and s["final_val_acc1"] >= 85.0
+
+
+@pytest.mark.skipif(NP < 2, reason="an allreduce between GPUs needs 2 ranks, and ranks need a GPU each")
+def test_nccl_carries_bf16_gradients_that_overflow_fp16(tmp_path, worker):
+    # NCCL's bfloat16 and the CUDA kernels that scale an average (Horovod's core patched for bfloat16).
+    launch("horovodrun-gloo", NP, worker("wire_formats.py"), tmp_path / "grads.pt", "--gpu")
+    got = torch.load(tmp_path / "grads.pt")
+    assert got["device"].startswith("cuda")
+    check_wire_formats(got, NP)
 
 
 @needs_torchvision

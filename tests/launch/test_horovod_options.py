@@ -3,7 +3,7 @@ statistics, and the one-download-per-host helper."""
 import pytest
 import torch
 
-from conftest import launch, read_json
+from conftest import check_wire_formats, launch, read_json
 
 pytestmark = pytest.mark.distributed
 
@@ -49,22 +49,7 @@ def test_a_gradient_that_overflows_fp16_allreduce_survives_bf16_allreduce(tmp_pa
     # Rank r's gradient is (r + 1) x [1e5, 1.001, 1e-3, -2.5] (and twice that): Gloo's bfloat16 sum on 2 ranks,
     # MPI's custom reduction on 3 (a ring of partial sums, and an average's 1/3).
     launch(launcher, np, worker("wire_formats.py"), tmp_path / "grads.pt")
-    got = torch.load(tmp_path / "grads.pt")
-    base = torch.tensor([1e5, 1.001, 1e-3, -2.5]) * sum(range(1, np + 1)) / np
-    exact = torch.stack([base, 2 * base])
-    torch.testing.assert_close(got["fp32"], exact, rtol=1e-6, atol=0)
-    assert torch.isinf(got["fp16"][:, 0]).all(), "1e5 is beyond fp16's range: the fp16 wire should overflow"
-    bf16 = got["bf16"]
-    assert bf16.dtype == torch.float32 and torch.isfinite(bf16).all()
-    # bfloat16 keeps 8 significant bits: each value sent, the sum and the average rounded once each.
-    torch.testing.assert_close(bf16, exact, rtol=3 * 2.0 ** -8, atol=0)
-    assert not torch.equal(bf16, exact), "the bfloat16 wire should round (1.001 has no bfloat16 twin)"
-    # The other collectives on bfloat16 tensors.
-    assert got["reducescatter"].dtype == torch.bfloat16
-    torch.testing.assert_close(got["reducescatter"].float(), base.unsqueeze(0), rtol=3 * 2.0 ** -8, atol=0)
-    rows = torch.stack([(r + 1) * torch.tensor([1e5, 1.001, 1e-3, -2.5]) for r in range(np)])
-    assert torch.equal(got["allgather"], rows.to(torch.bfloat16))
-    assert torch.equal(got["broadcast"], rows[-1].to(torch.bfloat16))
+    check_wire_formats(torch.load(tmp_path / "grads.pt"), np)
 
 
 def test_adasum_combines_the_two_gradients_by_the_adasum_rule(tmp_path, worker):
