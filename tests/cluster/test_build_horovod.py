@@ -2,6 +2,7 @@
 chooses, the sdist it accepts, the prerequisites it checks and the cache key."""
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -84,6 +85,16 @@ def fake_sdist(root):
           "    on_event(exit_event, terminate_executor_shell_and_children, args=(executor_shell.pid,), daemon=True)\n"
           "    def kill_executor_children_if_parent_dies():\n"
           "        terminate_executor_shell_and_children(executor_shell.pid)\n")
+    write(root / "horovod/common/util.py",
+          "def _check_extension_lambda(ext_base_name, fn, fn_desc, verbose):\n"
+          "        try:\n            ext = importlib.import_module('.' + ext_base_name, 'horovod')\n"
+          "            result = fn(ext)\n")
+    # bfloat16's anchors, each once in its file (every real build checks them against the real sdist).
+    for rel, old, _new, _why in build_horovod.bfloat16_patches():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(old + "\n")
 
 
 def test_patches_raise_the_standard_everywhere_and_let_cpu_builds_ignore_cuda_torch(tmp_path):
@@ -98,6 +109,29 @@ def test_patches_raise_the_standard_everywhere_and_let_cpu_builds_ignore_cuda_to
     assert "HVD_TRAIN_TORCH_CPU_ONLY" in find and "set(Pytorch_CUDA FALSE)" in find
     # Optimized as Horovod builds it, without debug info; HOROVOD_DEBUG=1 still asks for a debug build.
     assert "else 'Release'" in (tmp_path / "setup.py").read_text()
+
+
+def test_horovodrun_reads_the_build_flags_without_importing_torch():
+    # horovodrun asks these before every launch; each once forked a child that imported torch (seconds). The
+    # installed, patched Horovod answers from the extension's library: here torch cannot even be imported.
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from horovod.common.util import gloo_built, mpi_built, nccl_built\n"
+            "print(mpi_built(), gloo_built(), nccl_built())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "True", "0"], proc.stdout + proc.stderr
+
+
+def test_bfloat16_patches_add_the_type_to_every_layer(tmp_path):
+    fake_sdist(tmp_path)
+    build_horovod.apply_patches(tmp_path, 20)
+    read = lambda rel: (tmp_path / rel).read_text()  # noqa: E731
+    assert "HOROVOD_BFLOAT16 = 10" in read("horovod/common/message.h")
+    assert "return mpi_bfloat16_t;" in read("horovod/common/mpi/mpi_context.cc")
+    assert "GlooAlgorithms<bfloat16>" in read("horovod/common/ops/gloo_operations.cc")
+    assert "return ncclBfloat16;" in read("horovod/common/ops/nccl_operations.cc")
+    assert "return ::torch::kBFloat16;" in read("horovod/torch/adapter_v2.cc")
+    bindings = read("horovod/torch/mpi_ops_v2.cc")
+    assert bindings.count("BFloat16Tensor") == bindings.count("HalfTensor") == 24
 
 
 def test_patched_horovodrun_ends_a_failed_job_with_one_line_and_the_ranks_exit_code(tmp_path, capsys):
