@@ -24,10 +24,10 @@ from hvd_utils.elastic import under_elastic_launcher
 
 log = logging.getLogger("hvd_train")
 
-# hvd-train SUBCOMMAND ...: the module whose main(argv) runs it, and what it does (`hvd-train --help` lists them).
 # Before Horovod starts, a rank other than 0 that refuses its settings waits this long for the launcher to end it.
 QUIET_RANK_WAIT_S = 60.0
 
+# hvd-train SUBCOMMAND ...: the module whose main(argv) runs it, and what it does (`hvd-train --help` lists them).
 SUBCOMMANDS = {
     "doctor": ("hvd_train.tools.doctor", "check the hosts of a job before it runs"),
     "shard": ("hvd_train.tools.shard", "write a data set as tar shards"),
@@ -122,9 +122,7 @@ def leave_it_to_rank_0(error):
     them too, says why, and exits, and the launcher then ends this rank. Exiting first instead would let the
     launcher end rank 0 before it has spoken. A rank still here after QUIET_RANK_WAIT_S failed alone (a recipe
     unreadable on its host, say): it says why itself."""
-    deadline = time.monotonic() + QUIET_RANK_WAIT_S
-    while time.monotonic() < deadline:
-        time.sleep(1)
+    time.sleep(QUIET_RANK_WAIT_S)
     say(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: error: {error}")
 
 

@@ -45,15 +45,13 @@ def broadcast_state_dict(state_dict, root_rank, name):
 
     skeleton = hvd.broadcast_object(strip(state_dict) if hvd.rank() == root_rank else None, root_rank=root_rank,
                                     name=f"{name}.skeleton")
-    received = {}
 
     def fill(value):
         if isinstance(value, tuple) and len(value) == 4 and value[0] == "__tensor__":
             _, i, shape, dtype = value
             # On the CPU: a checkpoint's tensors, wherever rank 0 read them to, travel through MPI or Gloo.
             t = tensors[i].cpu() if hvd.rank() == root_rank else torch.empty(shape, dtype=getattr(torch, dtype))
-            received[i] = hvd.broadcast(t.contiguous(), root_rank, name=f"{name}.{i}")
-            return received[i]
+            return hvd.broadcast(t.contiguous(), root_rank, name=f"{name}.{i}")
         if isinstance(value, dict):
             return {k: fill(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):

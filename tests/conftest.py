@@ -117,7 +117,8 @@ def check_wire_formats(got, np):
     rounded only as bfloat16 rounds, and bfloat16 through reducescatter, allgather and broadcast."""
     import torch
 
-    base = torch.tensor([1e5, 1.001, 1e-3, -2.5]) * sum(range(1, np + 1)) / np
+    rows = torch.stack([(r + 1) * torch.tensor([1e5, 1.001, 1e-3, -2.5]) for r in range(np)])  # what each sent
+    base = rows.sum(0) / np
     exact = torch.stack([base, 2 * base])
     torch.testing.assert_close(got["fp32"], exact, rtol=1e-6, atol=0)
     assert torch.isinf(got["fp16"][:, 0]).all(), "1e5 is beyond fp16's range: the fp16 wire should overflow"
@@ -129,7 +130,6 @@ def check_wire_formats(got, np):
     # The other collectives on bfloat16 tensors.
     assert got["reducescatter"].dtype == torch.bfloat16
     torch.testing.assert_close(got["reducescatter"].float(), base.unsqueeze(0), rtol=3 * 2.0 ** -8, atol=0)
-    rows = torch.stack([(r + 1) * torch.tensor([1e5, 1.001, 1e-3, -2.5]) for r in range(np)])
     assert torch.equal(got["allgather"], rows.to(torch.bfloat16))
     assert torch.equal(got["broadcast"], rows[-1].to(torch.bfloat16))
 
