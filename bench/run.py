@@ -124,6 +124,15 @@ class Bench:
                 xs.append(a())
         return xs, ys
 
+    def rotate(self, runs):
+        """Run each of `runs` (name -> function) once a repeat, --repeats times, the first of them rotating; returns
+        name -> the list of what each returned."""
+        results, order = {key: [] for key in runs}, list(runs)
+        for i in range(self.args.repeats):
+            for key in order[i % len(order):] + order[:i % len(order)]:
+                results[key].append(runs[key]())
+        return results
+
 
 def ratio_row(name, compared, goal, xs, ys, unit="img/s", fn=lambda x, y: x / y):
     return {"figure": name, "compared": compared, "goal": goal, "ratio": spread([fn(x, y) for x, y in zip(xs, ys)]),
@@ -191,42 +200,32 @@ def section_peer(b):
 
 def section_comm(b):
     """A communication-bound model: VGG-11 at 32 px, 8 images a rank, 491 MB of gradients for 0.9 s of compute, so
-    the allreduce is a third of a step or more. The app against torchrun + DDP (Gloo) as in the peer section; then
-    the app with its malloc setting (hvd_utils.runtime.keep_freed_memory) against glibc's default."""
+    the allreduce is a third of a step or more. Six runs in turn each repeat, the first of them rotating, all
+    against one float32 run of the app: torchrun + DDP (Gloo) as in the peer section; the app with glibc's default
+    malloc (against hvd_utils.runtime.keep_freed_memory); gradients on the wire as bfloat16 (--bf16-allreduce,
+    Horovod's core patched for it) and as fp16; DDP given its bf16_compress_hook, the fair peer for a bfloat16
+    wire."""
     model, size, batch = ("small_cnn", 28, 16) if b.args.quick else ("vgg11", 32, 8)
     steps, env = b.slow_steps if b.args.quick else (1, 3, 3), job_env()
     name = f"comm-bound, {model} {size}px batch {batch}/rank, 2 ranks"
-    app = lambda e: b.app(horovodrun(2, "mpi"), model, size, batch, steps, e)["img_per_sec_total"]  # noqa: E731
-    xs, ys = b.alternate(
-        lambda: app(env),
-        lambda: b.peer(torchrun(2), "bench/ddp_peer.py", model, size, batch, steps, env)["img_per_sec_total"])
-    rows = [ratio_row(name, "app (horovodrun, MPI) / torchrun DDP (Gloo), 1 thread per rank", ">= 1.20", xs, ys)]
-    xs, ys = b.alternate(lambda: app(env), lambda: app(job_env(**GLIBC_MALLOC)))
-    rows.append(ratio_row(name, "app: malloc keeps freed memory (default) / glibc's malloc", ">= 1 keeps it", xs, ys))
-    return rows + wire_rows(b, name, model, size, batch, steps, env)
 
+    def app(run_env, extra=()):
+        return b.app(horovodrun(2, "mpi"), model, size, batch, steps, run_env, extra)["img_per_sec_total"]
 
-def wire_rows(b, name, model, size, batch, steps, env):
-    """Gradients on the wire as bfloat16 (--bf16-allreduce, Horovod's core patched for it): against float32 and
-    fp16 in the app, and against DDP given its bf16_compress_hook, the fair peer for a bfloat16 wire. The four run
-    in turn each repeat, the first of them rotating."""
-    runs = {
-        "bf16": lambda: b.app(horovodrun(2, "mpi"), model, size, batch, steps, env, ["--bf16-allreduce"]),
-        "fp32": lambda: b.app(horovodrun(2, "mpi"), model, size, batch, steps, env),
-        "fp16": lambda: b.app(horovodrun(2, "mpi"), model, size, batch, steps, env, ["--fp16-allreduce"]),
-        "ddp_bf16": lambda: b.peer(torchrun(2), "bench/ddp_peer.py", model, size, batch, steps, env,
-                                   ["--bf16-compress"]),
-    }
-    rates = {key: [] for key in runs}
-    order = list(runs)
-    for i in range(b.args.repeats):
-        for key in order[i % len(order):] + order[:i % len(order)]:
-            rates[key].append(runs[key]()["img_per_sec_total"])
-    bf16 = rates["bf16"]
-    return [ratio_row(name, "app --bf16-allreduce / torchrun DDP with bf16_compress_hook (Gloo)", ">= 1.5", bf16,
+    def ddp(extra=()):
+        return b.peer(torchrun(2), "bench/ddp_peer.py", model, size, batch, steps, env, extra)["img_per_sec_total"]
+
+    rates = b.rotate({"fp32": lambda: app(env), "ddp": ddp, "glibc": lambda: app(job_env(**GLIBC_MALLOC)),
+                      "bf16": lambda: app(env, ["--bf16-allreduce"]), "fp16": lambda: app(env, ["--fp16-allreduce"]),
+                      "ddp_bf16": lambda: ddp(["--bf16-compress"])})
+    fp32, bf16 = rates["fp32"], rates["bf16"]
+    return [ratio_row(name, "app (horovodrun, MPI) / torchrun DDP (Gloo), 1 thread per rank", ">= 1.20", fp32,
+                      rates["ddp"]),
+            ratio_row(name, "app: malloc keeps freed memory (default) / glibc's malloc", ">= 1 keeps it", fp32,
+                      rates["glibc"]),
+            ratio_row(name, "app --bf16-allreduce / torchrun DDP with bf16_compress_hook (Gloo)", ">= 1.5", bf16,
                       rates["ddp_bf16"]),
-            ratio_row(name, "app: --bf16-allreduce / float32 allreduce", "> 1 (half the bytes)", bf16,
-                      rates["fp32"]),
+            ratio_row(name, "app: --bf16-allreduce / float32 allreduce", "> 1 (half the bytes)", bf16, fp32),
             ratio_row(name, "app: --bf16-allreduce / --fp16-allreduce", "about 1 (as many bytes)", bf16,
                       rates["fp16"])]
 
