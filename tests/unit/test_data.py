@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -97,6 +98,30 @@ def test_loader_workers_use_a_fork_safe_start_method():
     loader, _, _ = build_loaders(dataset, dataset, LoaderSpec(4, seed=0, workers=1), 0, 1)
     assert loader.multiprocessing_context.get_start_method() == "forkserver"
     assert sorted(torch.cat([x for x, _ in loader]).tolist()) == list(range(8))
+
+
+def test_loader_workers_fork_from_a_server_that_imported_torch_and_horovod_once(tmp_path):
+    # Python 3.11's fork server never preloads the main script, so each worker imported torch, Horovod and the app
+    # itself (seconds of CPU a worker). A main script that imports them, as train_hvd.py does: the server holds
+    # libtorch and Horovod's extension, and the worker is its child.
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import psutil, torch\n"
+        "import hvd_utils\n"
+        "from torch.utils.data import TensorDataset\n"
+        "from hvd_train.data import LoaderSpec, build_loaders\n"
+        "if __name__ == '__main__':\n"
+        "    data = TensorDataset(torch.arange(8).float(), torch.zeros(8, dtype=torch.long))\n"
+        "    loader, _, _ = build_loaders(data, data, LoaderSpec(4, seed=0, workers=1), 0, 1)\n"
+        "    batches = iter(loader)\n"
+        "    next(batches)\n"
+        "    server, = [p for p in psutil.Process().children() if 'forkserver' in ' '.join(p.cmdline())]\n"
+        "    maps = open(f'/proc/{server.pid}/maps').read()\n"
+        "    print('libtorch_cpu' in maps, 'mpi_lib_v2' in maps, len(server.children()))\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "True", "1"], proc.stdout
 
 
 def test_digits_split_sizes_and_shapes():
