@@ -35,10 +35,11 @@ $(TEST_TOOLS): $(READY)
 	bash scripts/install.sh --test-tools
 	@touch $@
 
-# Two workers: a sleep-bound test (a freeze timeout, SLURM's requeue, an elastic reset) leaves the cores to the other
-# worker's CPU-bound one. Three were slower on two cores with one kept busy (51 min against 49, issue 23's runs).
+# Three workers on two cores: most tests wait on launched ranks, and a sleep-bound one (a freeze timeout, SLURM's
+# requeue, an elastic reset) leaves the cores to the other two. Two left the cores idle between launches and, with
+# one core kept busy by something else, gave that process a larger share (49-52 min in three runs, docs/testing.md).
 # Tests that share a cluster, a build or trained runs stay on one worker (xdist_group in the files).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 test: setup lint $(TEST_TOOLS)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30
