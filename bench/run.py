@@ -114,15 +114,8 @@ class Bench:
 
     def alternate(self, a, b):
         """Run a() and b() --repeats times, alternating which goes first; returns the two lists of images/s."""
-        xs, ys = [], []
-        for i in range(self.args.repeats):
-            if i % 2 == 0:
-                xs.append(a())
-                ys.append(b())
-            else:
-                ys.append(b())
-                xs.append(a())
-        return xs, ys
+        rates = self.rotate({"a": a, "b": b})
+        return rates["a"], rates["b"]
 
     def rotate(self, runs):
         """Run each of `runs` (name -> function) once a repeat, --repeats times, the first of them rotating; returns
