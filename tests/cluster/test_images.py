@@ -189,7 +189,7 @@ def test_horovodrun_across_two_containers(two_containers, controller):
 
 def test_mpirun_across_two_containers(two_containers):
     names, shared = two_containers
-    proc = exec_in(names["a"], "mpirun", "-np", "2", "-H", "a:1,b:1", "-bind-to", "none", "-x", "PATH", *TRAIN,
+    proc = exec_in(names["a"], "mpirun", "-np", "2", "-H", "a:1,b:1", "--bind-to", "none", "-x", "PATH", *TRAIN,
                    "--output-dir", "/shared/run")
     assert_quiet(proc.stdout + proc.stderr)
     check_across_containers(read_json(shared / "run" / "summary.json"), "MPI")

@@ -51,7 +51,7 @@ def test_horovodrun_across_two_hosts(two_hosts, tmp_path, controller):
 def test_mpirun_across_two_hosts(two_named_hosts, tmp_path):
     cluster = two_named_hosts
     hosts = ",".join(f"{h.name}:1" for h in cluster.hosts)
-    run_ok(cluster, [shutil.which("mpirun"), "-np", "2", "-H", hosts, "--allow-run-as-root", "-bind-to", "none",
+    run_ok(cluster, [shutil.which("mpirun"), "-np", "2", "-H", hosts, "--allow-run-as-root", "--bind-to", "none",
                      "-mca", "plm_rsh_args", " ".join(cluster.ssh_options), "-mca", "btl_tcp_if_include", IFACE,
                      "-mca", "oob_tcp_if_include", IFACE, "-x", "PATH", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
                      *TRAIN, "--output-dir", tmp_path / "run"])

@@ -120,7 +120,7 @@ def test_a_warned_then_preempted_job_requeues_itself_and_ends_with_the_weights_o
     job = proc.stdout.strip().split(";")[0]
     out = ROOT / "runs" / f"slurm-{name}-{job}"
     # The same training, never stopped: mpirun as the script runs it, one thread per rank as SLURM gives it.
-    reference = subprocess.Popen(["mpirun", "-np", "2", "--oversubscribe", "-bind-to", "none", "-x",
+    reference = subprocess.Popen(["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", "-x",
                                   "OMP_NUM_THREADS=1", sys.executable, str(ROOT / "train_hvd.py"), "--output-dir",
                                   str(tmp_path / "reference"), *JOB], cwd=ROOT, env=job_env(),
                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

@@ -158,11 +158,13 @@ def test_allreduce_benchmark_reports_busbw_for_horovod_and_torch(tmp_path):
 def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path):
     cmd = [sys.executable, "bench/run.py", "--quick", "--repeats", "1", "--results-dir", str(tmp_path), "--sections"]
     # The second run, of another section, has to find the first one's files there and write beside them.
-    for sections in ("overhead,peer,accuracy", "data,shard"):
+    for sections in ("overhead,peer,accuracy", "data,shard,mpi"):
         proc = subprocess.run(cmd + [sections], cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        if sections != "data,shard":
+        if sections == "overhead,peer,accuracy":
             first_output = proc.stdout
+        else:
+            second_output = proc.stdout
     files = sorted(os.listdir(tmp_path))
     assert len(files) == 4 and sum(f.endswith("-2.json") for f in files) == 1
     result = read_json(tmp_path / next(f for f in files if f.endswith(".json") and not f.endswith("-2.json")))
@@ -186,6 +188,17 @@ def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path
     for row in second["rows"]:
         assert row["a"]["median"] > 0 and row["b"]["median"] > 0
         assert row["ratio"]["median"] == pytest.approx(row["a"]["median"] / row["b"]["median"])
+    # The mpi section: each MPI install.sh --mpi offers, its own in-place allreduce against the memory copy; the
+    # system's (this machine has OpenMPI) is what install.sh picks without --mpi.
+    mpis = {m["kind"]: m for m in second["mpi"]["mpis"]}
+    assert list(mpis) == ["system", "openmpi", "mpich", "impi"]
+    assert [kind for kind, m in mpis.items() if m["default"]] == ["system"]
+    for kind, library in (("system", "Open MPI"), ("openmpi", "Open MPI v5"), ("mpich", "MPICH"), ("impi", "Intel")):
+        assert library in mpis[kind]["library"], mpis[kind]
+        assert [p["bytes"] for p in mpis[kind]["sweep"]] == [4096, 16384, 65536], mpis[kind]
+        for p in mpis[kind]["sweep"]:
+            assert p["busbw"] == pytest.approx(p["bytes"] / p["seconds"]) and p["of_copy"] > 0
+    assert "| system * | Open MPI" in second_output
 
 
 @pytest.mark.distributed
