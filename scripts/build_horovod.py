@@ -898,7 +898,7 @@ def mpi_identity():
     return f"{kind}{version.group(1) if version else ''}-{where}"
 
 
-# How `mpirun --version` names each MPI (Intel's and MPICH's both say HYDRA; Intel's says Intel first).
+# How `mpirun --version` names each MPI (MPICH 5's names only Hydra, its launcher; Intel's is tried first).
 MPI_KINDS = (("openmpi", r"Open MPI|OpenRTE"), ("impi", r"Intel\(R\) MPI"), ("mpich", r"HYDRA|MPICH"))
 
 
@@ -940,8 +940,9 @@ def check_prerequisites(plan, offline):
         except ImportError:
             problems.append(f"the Python module '{module}' is missing in {sys.prefix}: pip install {module}")
     if plan.mpi and not shutil.which("mpicxx", path=build_path()):
-        problems.append("no mpicxx: the MPI controller needs OpenMPI with its headers (Debian: apt-get install "
-                        "openmpi-bin libopenmpi-dev); or build with Gloo alone (--no-mpi)")
+        problems.append("no mpicxx: the MPI controller needs an MPI with its headers (Debian: apt-get install "
+                        "openmpi-bin libopenmpi-dev; without root: scripts/install.sh --mpi mpich puts MPICH from "
+                        "PyPI into the environment); or build with Gloo alone (--no-mpi)")
     for module in ("cloudpickle", "psutil", "yaml", "packaging"):
         try:
             __import__(module)
