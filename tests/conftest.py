@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -38,7 +39,26 @@ def job_env():
     # OpenMPI refuses to start as root (CI and containers) unless told this is intended.
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    # Temporary files of every job (multiprocessing's pymp-*, wandb's, OpenMPI's session folder, torchrun's) in one
+    # folder of this test process, removed when it ends: a rank a test kills cannot clean up after itself.
+    env["TMPDIR"] = jobs_tmp()
     return env
+
+
+_JOBS_TMP = []
+
+
+def jobs_tmp():
+    """This test process's folder for its jobs' temporary files, made on first use. Short, under /tmp: OpenMPI puts
+    unix sockets in it, whose paths may not exceed 107 characters."""
+    if not _JOBS_TMP:
+        _JOBS_TMP.append(tempfile.mkdtemp(prefix="hvdt-jobs-", dir="/tmp"))
+    return _JOBS_TMP[0]
+
+
+def pytest_unconfigure(config):
+    for folder in _JOBS_TMP:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def launch_command(launcher, np, args):
