@@ -29,6 +29,12 @@ TRAIN = ROOT / "train_hvd.py"
 # the last value of a flag wins).
 QUIET = ("--logging.progress=false", "--logging.tensorboard=false", "--logging.plot=false")
 
+# The suite runs three workers on two cores, so torch's OpenMP threads that spin while they wait for work (libgomp's
+# default) take the cores from the other workers' ranks: a 5-epoch one-process digits run with another process
+# keeping a core busy used 17-19 CPU-s spinning, 9 waiting passively, and ended sooner. Read when libgomp loads, so
+# set before this process or any job imports torch; a 2-rank job (one thread a rank) is unchanged.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def job_env():
     env = dict(os.environ)
@@ -56,8 +62,20 @@ def jobs_tmp():
     return _JOBS_TMP[0]
 
 
+def pytest_configure(config):
+    # One TorchInductor cache for the whole run, its workers and their jobs (torch's default is one per user under
+    # the temporary folder, which job_env gives each test process): each --compile test compiled the same small
+    # models cold, 15-20 CPU-s a rank. The benchmark's compile section keeps caches of its own (a cold first run).
+    if not hasattr(config, "workerinput") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        _INDUCTOR_CACHE.append(tempfile.mkdtemp(prefix="hvdt-inductor-"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE[0]
+
+
+_INDUCTOR_CACHE = []
+
+
 def pytest_unconfigure(config):
-    for folder in _JOBS_TMP:
+    for folder in _JOBS_TMP + _INDUCTOR_CACHE:
         shutil.rmtree(folder, ignore_errors=True)
 
 

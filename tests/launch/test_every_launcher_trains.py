@@ -41,6 +41,15 @@ def test_two_ranks_reach_the_accuracy_bar_on_the_digits(default_runs, launcher, 
     assert read_json(out / "config.json")["run"]["output_dir"] == str(out)
 
 
+@pytest.mark.xdist_group("default_runs")
+@pytest.mark.parametrize("launcher,cycle", list(zip(LAUNCHERS, ("10 ms", "1 ms", "1 ms"))))
+def test_each_controller_s_tuning_is_logged(default_runs, launcher, cycle):
+    # On CPUs: Gloo's default cycle time, and MPI's under either launcher (tests/launch/test_benchmark.py has a
+    # process alone and horovodrun's flags).
+    stdout, _ = default_runs[launcher]
+    assert f"fusion 8 MB, cycle {cycle}" in stdout, stdout[:2000]
+
+
 @pytest.mark.distributed
 def test_a_plain_single_process_trains(tmp_path):
     launch("single", 1, TRAIN, "--output-dir", tmp_path, "--epochs", "3")
