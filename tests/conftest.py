@@ -31,7 +31,7 @@ QUIET = ("--logging.progress=false", "--logging.tensorboard=false", "--logging.p
 
 # The suite runs three workers on two cores, so torch's OpenMP threads that spin while they wait for work (libgomp's
 # default) take the cores from the other workers' ranks: a 5-epoch one-process digits run with another process
-# keeping a core busy used 17-19 CPU-s spinning, 9 waiting passively, and ended sooner. Read when libgomp loads, so
+# keeping a core busy used 16-18 CPU-s spinning, 9 waiting passively, and ended sooner. Read when libgomp loads, so
 # set before this process or any job imports torch; a 2-rank job (one thread a rank) is unchanged.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

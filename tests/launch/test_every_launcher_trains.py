@@ -41,6 +41,7 @@ def test_two_ranks_reach_the_accuracy_bar_on_the_digits(default_runs, launcher, 
     assert read_json(out / "config.json")["run"]["output_dir"] == str(out)
 
 
+@pytest.mark.distributed
 @pytest.mark.xdist_group("default_runs")
 @pytest.mark.parametrize("launcher,cycle", list(zip(LAUNCHERS, ("10 ms", "1 ms", "1 ms"))))
 def test_each_controller_s_tuning_is_logged(default_runs, launcher, cycle):
