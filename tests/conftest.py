@@ -52,6 +52,7 @@ def job_env():
 
 
 _JOBS_TMP = []
+_INDUCTOR_CACHE = []  # made by the controller in pytest_configure, inherited by the workers
 
 
 def jobs_tmp():
@@ -69,9 +70,6 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         _INDUCTOR_CACHE.append(tempfile.mkdtemp(prefix="hvdt-inductor-"))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE[0]
-
-
-_INDUCTOR_CACHE = []
 
 
 def pytest_unconfigure(config):
