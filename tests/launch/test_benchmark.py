@@ -185,17 +185,26 @@ def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path
     for row in second["rows"]:
         assert row["a"]["median"] > 0 and row["b"]["median"] > 0
         assert row["ratio"]["median"] == pytest.approx(row["a"]["median"] / row["b"]["median"])
-    # The mpi section: each MPI install.sh --mpi offers, its own in-place allreduce against the memory copy; the
-    # system's (this machine has OpenMPI) is what install.sh picks without --mpi.
-    mpis = {m["kind"]: m for m in second["mpi"]["mpis"]}
-    assert list(mpis) == ["system", "openmpi", "mpich", "impi"]
-    assert [kind for kind, m in mpis.items() if m["default"]] == ["system"]
+    # The mpi section: each MPI install.sh --mpi offers, its own in-place allreduce and the shared-memory one
+    # Horovod calls on one node (on that MPI's window), against the memory copy; the system's (this machine has
+    # OpenMPI) is what install.sh picks without --mpi.
+    rows = {(m["kind"], m["way"]): m for m in second["mpi"]["mpis"]}
+    kinds = ["system", "openmpi", "mpich", "impi"]
+    assert list(rows) == [(kind, way) for kind in kinds for way in ("MPI_Allreduce", "shared memory")]
+    assert [key for key, m in rows.items() if m["default"]] == [("system", "MPI_Allreduce"),
+                                                                ("system", "shared memory")]
+    assert [key for key, m in rows.items() if m["horovod"]] == [(kind, "shared memory") for kind in kinds]
+    memory = second["mpi"]["memory"]
     for kind, library in (("system", "Open MPI"), ("openmpi", "Open MPI v5"), ("mpich", "MPICH"), ("impi", "Intel")):
-        assert library in mpis[kind]["library"], mpis[kind]
-        assert [p["bytes"] for p in mpis[kind]["sweep"]] == [4096, 16384, 65536], mpis[kind]
-        for p in mpis[kind]["sweep"]:
-            assert p["busbw"] == pytest.approx(p["bytes"] / p["seconds"]) and p["of_copy"] > 0
-    assert "| system * | Open MPI" in second_output
+        for way in ("MPI_Allreduce", "shared memory"):
+            m = rows[kind, way]
+            assert library in m["library"], m
+            assert [p["bytes"] for p in m["sweep"]] == [4096, 16384, 65536], m
+            for p in m["sweep"]:
+                assert p["busbw"] == pytest.approx(p["bytes"] / p["seconds"]) and p["of_copy"] > 0
+                assert p["of_memory"] == pytest.approx(p["busbw"] / memory)
+    assert "| system * | MPI_Allreduce | Open MPI" in second_output
+    assert "| system * | shared memory (H) | Open MPI" in second_output
 
 
 @pytest.mark.distributed
