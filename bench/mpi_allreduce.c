@@ -26,7 +26,7 @@ static double timed(struct hvdt_shm *shm, float *buf, int count, int calls) {
     double start = MPI_Wtime();
     for (int i = 0; i < calls; i++) {
         if (shm != NULL)
-            hvdt_shm_allreduce(shm, buf, buf, (size_t)count, HVDT_SHM_FLOAT32);
+            hvdt_shm_allreduce(shm, buf, buf, (size_t)count, HVDT_SHM_FLOAT32, 1.0);
         else
             MPI_Allreduce(MPI_IN_PLACE, buf, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
     }

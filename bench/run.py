@@ -244,7 +244,8 @@ def allreduce(b, launcher, backend, what, env, extra=()):
 
 def section_allreduce(b):
     """Bus bandwidth by size for Horovod over MPI and Gloo (at Horovod's defaults and at the app's; over MPI also
-    with the shared-memory allreduce turned off) and torch.distributed Gloo; then one ResNet-18 step's gradients with the fusion threshold and cycle time varied."""
+    with the shared-memory allreduce turned off) and torch.distributed Gloo; then one ResNet-18 step's gradients
+    with the fusion threshold and cycle time varied."""
     hvd_default = {"HOROVOD_FUSION_THRESHOLD": 128 << 20, "HOROVOD_CYCLE_TIME": 1}
     copies = [copy_rates(b)]
     sweeps = []

@@ -623,7 +623,12 @@ def shm_allreduce_patches():
          "      MPI_Allreduce(sendbuf, buffer_data, (int)num_elements,\n"
          "                    mpi_context.GetMPIDataType(first_entry.tensor),\n"
          "                    mpiOp,\n"
-         "                    mpi_context.GetMPICommunicator(Communicator::GLOBAL));\n",
+         "                    mpi_context.GetMPICommunicator(Communicator::GLOBAL));\n"
+         "  if (op != MPI_SUCCESS) {\n"
+         "    throw std::runtime_error(\"MPI_Allreduce failed, see MPI output for details.\");\n"
+         "  }\n"
+         "  timeline.ActivityEndAll(entries);\n\n"
+         "  if (postscale_factor != 1.0) {\n",
          "  // Do allreduce.\n"
          "  const void* sendbuf = entries.size() > 1 || fused_input_data == buffer_data\n"
          "                        ? MPI_IN_PLACE : fused_input_data;\n"
@@ -631,18 +636,25 @@ def shm_allreduce_patches():
          "  hvdt_shm_type shm_type;\n"
          "  struct hvdt_shm* shm = HvdtShmType(first_entry.tensor->dtype(), &shm_type)\n"
          "                        ? HvdtShmFor(mpi_context, response.reduce_op()) : nullptr;\n"
+         "  // It scales float sums itself (an average), while they are in cache; Horovod scales the rest below.\n"
+         "  bool shm_scales = shm != nullptr && (shm_type == HVDT_SHM_FLOAT32 || shm_type == HVDT_SHM_FLOAT64);\n"
          "  int op = MPI_SUCCESS;\n"
          "  if (shm != nullptr) {\n"
          "    timeline.ActivityStartAll(entries, \"SHM_ALLREDUCE\");\n"
          "    hvdt_shm_allreduce(shm, sendbuf == MPI_IN_PLACE ? buffer_data : sendbuf, buffer_data,\n"
-         "                       (size_t)num_elements, shm_type);\n"
+         "                       (size_t)num_elements, shm_type, shm_scales ? postscale_factor : 1.0);\n"
          "  } else {\n"
          "    timeline.ActivityStartAll(entries, MPI_ALLREDUCE);\n"
          "    op = MPI_Allreduce(sendbuf, buffer_data, (int)num_elements,\n"
          "                       mpi_context.GetMPIDataType(first_entry.tensor),\n"
          "                       mpiOp,\n"
          "                       mpi_context.GetMPICommunicator(Communicator::GLOBAL));\n"
-         "  }\n"),
+         "  }\n"
+         "  if (op != MPI_SUCCESS) {\n"
+         "    throw std::runtime_error(\"MPI_Allreduce failed, see MPI output for details.\");\n"
+         "  }\n"
+         "  timeline.ActivityEndAll(entries);\n\n"
+         "  if (postscale_factor != 1.0 && !shm_scales) {\n"),
     ]
     return [(rel, old, new, why) for rel, old, new in edits]
 

@@ -231,6 +231,14 @@ HVDT_SHM_SUM(double)
 HVDT_SHM_SUM(int32_t)
 HVDT_SHM_SUM(int64_t)
 
+#define HVDT_SHM_SCALE(T)                                                                                       \
+    HVDT_SHM_VECTORIZED static inline void hvdt_shm_scale_##T(T *out, size_t count, T scale) {                  \
+        for (size_t i = 0; i < count; i++)                                                                      \
+            out[i] = scale * out[i];                                                                            \
+    }
+HVDT_SHM_SCALE(float)
+HVDT_SHM_SCALE(double)
+
 /* bfloat16: summed in float32 over all ranks and rounded once. */
 HVDT_SHM_VECTORIZED static inline void hvdt_shm_sum_bf16(const void *const *part, int size, size_t count, uint16_t *out) {
     for (size_t i = 0; i < count; i++) {
@@ -248,12 +256,15 @@ static inline size_t hvdt_shm_first(size_t count, int r, int size) {
 
 /* Sums `count` elements of `type` over the ranks of the communicator `shm` was made on, from `send` into `recv`
  * on every rank (send == recv: in place). Collective: every rank calls it with the same type and count.
+ * `scale` multiplies the sums of float32 and float64 (an average's 1/size), as Horovod scales a buffer after
+ * MPI_Allreduce (in the type's own precision, so the bits are the same), but while the segment is in cache instead
+ * of in another pass over the whole buffer; other types take 1.0, and the caller scales them.
  *
  * Per block: each rank stages the block in its slot, all but its own segment, which it reads from `send` itself;
  * it sums its segment over all ranks into its reduced segment; then it copies every rank's reduced segment into
  * `recv`. In place, a rank writes its segment of `recv` only after the barrier that ends every rank's summing. */
 static inline void hvdt_shm_allreduce(struct hvdt_shm *shm, const void *send, void *recv, size_t count,
-                               enum hvdt_shm_type type) {
+                                      enum hvdt_shm_type type, double scale) {
     size_t es = hvdt_shm_type_size(type), per_block = HVDT_SHM_BLOCK_BYTES / es;
     const void *part[64];
     for (size_t done = 0; done < count; done += per_block) {
@@ -268,8 +279,16 @@ static inline void hvdt_shm_allreduce(struct hvdt_shm *shm, const void *send, vo
             part[r] = r == shm->rank ? src + first * es : shm->slot[r] + first * es;
         void *out = shm->reduced[shm->rank];
         switch (type) {
-        case HVDT_SHM_FLOAT32: hvdt_shm_sum_float(part, shm->size, end - first, (float *)out); break;
-        case HVDT_SHM_FLOAT64: hvdt_shm_sum_double(part, shm->size, end - first, (double *)out); break;
+        case HVDT_SHM_FLOAT32:
+            hvdt_shm_sum_float(part, shm->size, end - first, (float *)out);
+            if (scale != 1.0)
+                hvdt_shm_scale_float((float *)out, end - first, (float)scale);
+            break;
+        case HVDT_SHM_FLOAT64:
+            hvdt_shm_sum_double(part, shm->size, end - first, (double *)out);
+            if (scale != 1.0)
+                hvdt_shm_scale_double((double *)out, end - first, scale);
+            break;
         case HVDT_SHM_INT32: hvdt_shm_sum_int32_t(part, shm->size, end - first, (int32_t *)out); break;
         case HVDT_SHM_INT64: hvdt_shm_sum_int64_t(part, shm->size, end - first, (int64_t *)out); break;
         case HVDT_SHM_BFLOAT16: hvdt_shm_sum_bf16(part, shm->size, end - first, (uint16_t *)out); break;

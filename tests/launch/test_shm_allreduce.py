@@ -1,7 +1,7 @@
 """Horovod's allreduce on MPI through memory the ranks of one node share (scripts/shm_allreduce.h, patched into
 Horovod by scripts/build_horovod.py), proven on real jobs under mpirun and horovodrun: exact sums and averages of
-every type it covers, across its 1 MB blocks, the same bits on every rank, MPI_Allreduce kept for the rest, and
-HVD_TRAIN_SHM_ALLREDUCE=0 turning it off."""
+every type it covers, across its 1 MB blocks, the same bits on every rank and as MPI_Allreduce gives, MPI_Allreduce
+kept for the rest, and HVD_TRAIN_SHM_ALLREDUCE=0 turning it off."""
 import json
 
 import pytest
@@ -19,7 +19,7 @@ def run_worker(tmp_path, worker, launcher, np, env=None):
     for rank, report in enumerate(reports):
         assert report["size"] == np and report["wrong"] == [], (rank, report["wrong"])
         assert report["digests"] == reports[0]["digests"], f"rank {rank} holds other bits than rank 0"
-    return reports[0]["reduced_by"]
+    return reports[0]["reduced_by"], reports[0]["digests"]
 
 
 def through_shared_memory(case):
@@ -28,10 +28,7 @@ def through_shared_memory(case):
     return op in ("sum", "average", "grouped_sum") and dtype in SHARED
 
 
-@pytest.mark.parametrize("launcher, np", [("mpirun", 2), ("horovodrun-mpi", 3)])
-def test_sums_and_averages_go_through_shared_memory_exactly(tmp_path, worker, launcher, np):
-    # 3 ranks: segments of uneven length and the sum over more than two slots.
-    reduced_by = run_worker(tmp_path, worker, launcher, np)
+def check_paths(reduced_by):
     shared = [case for case in reduced_by if through_shared_memory(case)]
     # 5 sizes of 3 float types (sum and average) and 2 integer types (sum), and the grouped tensors.
     assert len([c for c in shared if not c.startswith("grouped")]) == 40, sorted(reduced_by)
@@ -45,6 +42,19 @@ def test_sums_and_averages_go_through_shared_memory_exactly(tmp_path, worker, la
         assert reduced_by[case] == ["MPI_ALLREDUCE"], (case, reduced_by[case])
 
 
-def test_hvd_train_shm_allreduce_0_keeps_every_allreduce_on_mpi(tmp_path, worker):
-    reduced_by = run_worker(tmp_path, worker, "horovodrun-mpi", 2, env={"HVD_TRAIN_SHM_ALLREDUCE": "0"})
+def test_sums_and_averages_go_through_shared_memory_exactly(tmp_path, worker):
+    check_paths(run_worker(tmp_path, worker, "mpirun", 2)[0])
+
+
+def test_three_ranks_get_the_same_bits_as_mpi_allreduce_gives_them(tmp_path, worker):
+    # 3 ranks: segments of uneven length, sums over more than two slots, and averages scaled by 1/3 (rounded), which
+    # the shared-memory path scales in cache where Horovod scales the buffer after MPI_Allreduce: the same bits.
+    (tmp_path / "shm").mkdir()
+    (tmp_path / "mpi").mkdir()
+    reduced_by, shm_digests = run_worker(tmp_path / "shm", worker, "horovodrun-mpi", 3)
+    check_paths(reduced_by)
+    reduced_by, mpi_digests = run_worker(tmp_path / "mpi", worker, "horovodrun-mpi", 3,
+                                         env={"HVD_TRAIN_SHM_ALLREDUCE": "0"})
+    # HVD_TRAIN_SHM_ALLREDUCE=0 keeps every allreduce on MPI.
     assert reduced_by and set(map(tuple, reduced_by.values())) == {("MPI_ALLREDUCE",)}, reduced_by
+    assert shm_digests == mpi_digests
