@@ -4,8 +4,8 @@ Each is found or installed where it does not disturb the project's environment: 
 PATH outside the venv), and the PyPI ones at install.sh's pins, installed once with `pip install --prefix` into
 the cache (~/.cache/hvd-train/mpi/<pin>, or $HVD_CACHE_DIR/mpi). bench/mpi_allreduce.c is compiled with each one's
 own mpicc and run with its own mpirun: the MPI's allreduce alone, without Horovod or Python, and beside it the
-shared-memory allreduce (scripts/shm_allreduce.h) that the project's Horovod build calls on one node, on the same
-MPI's shared window.
+shared-memory allreduce (scripts/shm_allreduce.h) that the project's Horovod build calls on one node, set up
+through the same MPI.
 """
 import json
 import os

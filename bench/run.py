@@ -193,9 +193,10 @@ def section_peer(b):
 
 def section_comm(b):
     """A communication-bound model: VGG-11 at 32 px, 8 images a rank, 491 MB of gradients for 0.9 s of compute, so
-    the allreduce is a third of a step or more. Six runs in turn each repeat, the first of them rotating, all
+    the allreduce is a third of a step or more. Seven runs in turn each repeat, the first of them rotating, all
     against one float32 run of the app: torchrun + DDP (Gloo) as in the peer section; the app with glibc's default
-    malloc (against hvd_utils.runtime.keep_freed_memory); gradients on the wire as bfloat16 (--bf16-allreduce,
+    malloc (against hvd_utils.runtime.keep_freed_memory); the app with the MPI's own MPI_Allreduce instead of the
+    build's shared-memory allreduce (HVD_TRAIN_SHM_ALLREDUCE=0); gradients on the wire as bfloat16 (--bf16-allreduce,
     Horovod's core patched for it) and as fp16; DDP given its bf16_compress_hook, the fair peer for a bfloat16
     wire."""
     model, size, batch = ("small_cnn", 28, 16) if b.args.quick else ("vgg11", 32, 8)
@@ -209,6 +210,7 @@ def section_comm(b):
         return b.peer(torchrun(2), "bench/ddp_peer.py", model, size, batch, steps, env, extra)["img_per_sec_total"]
 
     rates = b.rotate({"fp32": lambda: app(env), "ddp": ddp, "glibc": lambda: app(job_env(**GLIBC_MALLOC)),
+                      "mpi_allreduce": lambda: app(job_env(HVD_TRAIN_SHM_ALLREDUCE="0")),
                       "bf16": lambda: app(env, ["--bf16-allreduce"]), "fp16": lambda: app(env, ["--fp16-allreduce"]),
                       "ddp_bf16": lambda: ddp(["--bf16-compress"])})
     fp32, bf16 = rates["fp32"], rates["bf16"]
@@ -216,6 +218,8 @@ def section_comm(b):
                       rates["ddp"]),
             ratio_row(name, "app: malloc keeps freed memory (default) / glibc's malloc", ">= 1 keeps it", fp32,
                       rates["glibc"]),
+            ratio_row(name, "app: shared-memory allreduce (default) / MPI_Allreduce (HVD_TRAIN_SHM_ALLREDUCE=0)",
+                      "> 1 keeps it", fp32, rates["mpi_allreduce"]),
             ratio_row(name, "app --bf16-allreduce / torchrun DDP with bf16_compress_hook (Gloo)", ">= 1.5", bf16,
                       rates["ddp_bf16"]),
             ratio_row(name, "app: --bf16-allreduce / float32 allreduce", "> 1 (half the bytes)", bf16, fp32),
@@ -671,8 +675,8 @@ def markdown(results):
         lines += ["", "Each MPI alone (bench/mpi_allreduce.c): in-place float32 allreduce, 2 ranks, bus bandwidth in "
                   "GB/s, then as % of one thread's memory copy of the same size / of the largest size (memory "
                   f"bandwidth, {mpi['memory'] / 1e9:.2f} GB/s; install.sh's goal for its default MPI: 50% at 4-64 MB). "
-                  "MPI_Allreduce is the MPI's own; shared memory is scripts/shm_allreduce.h on that MPI's shared "
-                  "window, what the project's Horovod calls on one node (H); * marks what `scripts/install.sh` picks "
+                  "MPI_Allreduce is the MPI's own; shared memory is scripts/shm_allreduce.h set up through that MPI, "
+                  "what the project's Horovod calls on one node (H); * marks what `scripts/install.sh` picks "
                   "without --mpi here:",
                   "", "| MPI | allreduce | library | " + " | ".join(_size(n) for n in sizes) + " |",
                   "| --- | --- | --- | " + " | ".join("---" for _ in sizes) + " |",

@@ -579,7 +579,7 @@ def shm_allreduce_patches():
         ("horovod/common/mpi/mpi_context.cc",
          "void MPIContext::FinalizeWithoutEnv() {\n   if (!enabled_) {\n    return;\n  }\n",
          "void MPIContext::FinalizeWithoutEnv() {\n   if (!enabled_) {\n    return;\n  }\n"
-         "  // hvd-train: the window before the communicators it was made on (collective, as their freeing is).\n"
+         "  // hvd-train: this rank's mapping of the process set's shared memory.\n"
          "  hvdt_shm_free(hvdt_shm);\n  hvdt_shm = nullptr;\n  hvdt_shm_decided = false;\n"),
         ("horovod/common/ops/mpi_operations.cc", "#include \"mpi_operations.h\"\n",
          "#include \"mpi_operations.h\"\n\n#include <cstdlib>\n#include <cstring>\n\n"

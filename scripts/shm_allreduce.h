@@ -7,9 +7,12 @@
  * reduces its own 1/n of the block from all the slots, and each copies the reduced block back, so only the
  * buffer's own reads and writes reach main memory.
  *
- * The shared memory is an MPI-3 shared window (MPI_Win_allocate_shared) on the communicator, so every MPI that
- * implements MPI-3 provides it and frees it. It is used only when all ranks of the communicator share one node;
- * otherwise, and for the types and reductions it does not have, the caller uses MPI_Allreduce.
+ * The shared memory is a file in /dev/shm that rank 0 makes and every rank maps, removed as soon as all have
+ * mapped it, so nothing is left behind however the job ends. (Not an MPI-3 shared window: Open MPI 5's wheel
+ * prints an error from its UCX one-sided component whenever a window is made, and a window it cannot make ends the
+ * job, where this falls back.) It is used only when all ranks of the communicator share one node (as the MPI sees
+ * it) and the memory could be mapped on all of them; otherwise, and for the types and reductions it does not
+ * have, the caller uses MPI_Allreduce.
  *
  * Every rank computes one segment of each block and copies the others' segments, so all ranks hold bitwise the
  * same result; each segment is summed in rank order, so the result does not depend on timing.
@@ -25,7 +28,11 @@
 #include <string.h>
 #include <sched.h>
 #include <time.h>
+#include <fcntl.h>
 #include <linux/futex.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -57,7 +64,8 @@ struct hvdt_shm_flags {
 };
 
 struct hvdt_shm {
-    MPI_Win win;
+    char *base; /* the mapping: each rank's part, one after another */
+    size_t bytes;
     int rank, size;
     uint32_t barriers; /* this rank's count of barriers passed */
     struct hvdt_shm_flags *flags[64];
@@ -73,10 +81,24 @@ static inline size_t hvdt_shm_type_size(enum hvdt_shm_type type) {
     }
 }
 
-/* A rank's part of the shared memory: its flags, its slot and its reduced segment. */
+/* A rank's part of the shared memory: its flags, its slot and its reduced segment, in whole pages. */
 static inline size_t hvdt_shm_rank_bytes(int size) {
     size_t segment = (HVDT_SHM_BLOCK_BYTES / size + 63) / 64 * 64;
-    return sizeof(struct hvdt_shm_flags) + HVDT_SHM_BLOCK_BYTES + segment;
+    return (sizeof(struct hvdt_shm_flags) + HVDT_SHM_BLOCK_BYTES + segment + 4095) / 4096 * 4096;
+}
+
+/* Maps the file rank 0 made (rank 0 makes it first); NULL where that fails. */
+static inline char *hvdt_shm_map(const char *path, size_t bytes, int make) {
+    int fd = make ? open(path, O_RDWR | O_CREAT | O_EXCL, 0600) : open(path, O_RDWR);
+    if (fd < 0)
+        return NULL;
+    char *base = NULL;
+    if (!make || ftruncate(fd, (off_t)bytes) == 0) {
+        void *at = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        base = at == MAP_FAILED ? NULL : (char *)at;
+    }
+    close(fd);
+    return base;
 }
 
 /* Collective over `comm`. Returns NULL on every rank when any rank does not want it (`wanted` 0), when the ranks
@@ -90,42 +112,56 @@ static inline struct hvdt_shm *hvdt_shm_create(MPI_Comm comm, int wanted) {
     MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
     MPI_Comm_size(node, &node_size);
     MPI_Comm_free(&node);
-    /* Every rank must take the same decision, or some would wait in a window the others never make. */
+    /* Every rank must take the same decision, or some would wait for peers that keep to MPI_Allreduce. */
     int local = wanted && node_size == size;
     MPI_Allreduce(&local, &all_local, 1, MPI_INT, MPI_MIN, comm);
     if (!all_local || size < 2 || size > 64)
         return NULL;
 
-    struct hvdt_shm *shm = (struct hvdt_shm *)calloc(1, sizeof(struct hvdt_shm));
-    if (shm == NULL)
-        MPI_Abort(comm, 1);
+    /* Rank 0 names and makes the file; the others map it once it exists. */
+    static unsigned made = 0;
+    char path[96];
+    size_t per_rank = hvdt_shm_rank_bytes(size), bytes = per_rank * (size_t)size;
+    snprintf(path, sizeof(path), "/dev/shm/hvd-train-allreduce-%ld-%u", (long)getpid(), made++);
+    MPI_Bcast(path, (int)sizeof(path), MPI_CHAR, 0, comm);
+    char *base = rank == 0 ? hvdt_shm_map(path, bytes, 1) : NULL;
+    int made_it = base != NULL;
+    MPI_Bcast(&made_it, 1, MPI_INT, 0, comm);
+    if (made_it && rank != 0)
+        base = hvdt_shm_map(path, bytes, 0);
+    int mapped = base != NULL, all_mapped;
+    MPI_Allreduce(&mapped, &all_mapped, 1, MPI_INT, MPI_MIN, comm);
+    if (made_it && rank == 0)
+        unlink(path); /* every rank that could map it has: the memory lives on in the mappings alone */
+    struct hvdt_shm *shm = all_mapped ? (struct hvdt_shm *)calloc(1, sizeof(struct hvdt_shm)) : NULL;
+    int ready = shm != NULL, all_ready;
+    MPI_Allreduce(&ready, &all_ready, 1, MPI_INT, MPI_MIN, comm);
+    if (!all_ready) { /* a full /dev/shm, none at all (some containers), or no memory: MPI_Allreduce instead */
+        if (base != NULL)
+            munmap(base, bytes);
+        free(shm);
+        return NULL;
+    }
+    shm->base = base;
+    shm->bytes = bytes;
     shm->rank = rank;
     shm->size = size;
-    char *mine;
-    MPI_Info info;
-    MPI_Info_create(&info);
-    MPI_Info_set(info, "alloc_shared_noncontig", "true"); /* each rank's part on its own pages, near its core */
-    MPI_Win_allocate_shared((MPI_Aint)hvdt_shm_rank_bytes(size), 64, info, comm, &mine, &shm->win);
-    MPI_Info_free(&info);
-    memset(mine, 0, hvdt_shm_rank_bytes(size));
+    memset(base + per_rank * (size_t)rank, 0, per_rank); /* first touched by its rank: its pages near its core */
     for (int r = 0; r < size; r++) {
-        MPI_Aint bytes;
-        int unit;
-        char *base;
-        MPI_Win_shared_query(shm->win, r, &bytes, &unit, &base);
-        shm->flags[r] = (struct hvdt_shm_flags *)base;
-        base += sizeof(struct hvdt_shm_flags);
-        shm->slot[r] = base;
-        shm->reduced[r] = base + HVDT_SHM_BLOCK_BYTES;
+        char *part = base + per_rank * (size_t)r;
+        shm->flags[r] = (struct hvdt_shm_flags *)part;
+        shm->slot[r] = part + sizeof(struct hvdt_shm_flags);
+        shm->reduced[r] = shm->slot[r] + HVDT_SHM_BLOCK_BYTES;
     }
     MPI_Barrier(comm); /* every rank's flags zeroed before any rank uses them */
     return shm;
 }
 
+/* Not collective: each rank unmaps its view (the file is long gone). */
 static inline void hvdt_shm_free(struct hvdt_shm *shm) {
     if (shm == NULL)
         return;
-    MPI_Win_free(&shm->win);
+    munmap(shm->base, shm->bytes);
     free(shm);
 }
 

@@ -186,7 +186,7 @@ def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path
         assert row["a"]["median"] > 0 and row["b"]["median"] > 0
         assert row["ratio"]["median"] == pytest.approx(row["a"]["median"] / row["b"]["median"])
     # The mpi section: each MPI install.sh --mpi offers, its own in-place allreduce and the shared-memory one
-    # Horovod calls on one node (on that MPI's window), against the memory copy; the system's (this machine has
+    # Horovod calls on one node (set up through that MPI), against the memory copy; the system's (this machine has
     # OpenMPI) is what install.sh picks without --mpi.
     rows = {(m["kind"], m["way"]): m for m in second["mpi"]["mpis"]}
     kinds = ["system", "openmpi", "mpich", "impi"]
@@ -222,6 +222,8 @@ def test_bench_comm_and_compile_sections_write_their_rows(tmp_path):
     assert sum("empty cache" in c for _, c in rows) == 1 and sum("cached (rerun)" in c for _, c in rows) == 1
     # The bfloat16 wire against DDP's bf16_compress_hook, float32 and fp16.
     assert sum("--bf16-allreduce /" in c for _, c in rows) == 3
+    # The build's shared-memory allreduce against the MPI's own.
+    assert sum("/ MPI_Allreduce (HVD_TRAIN_SHM_ALLREDUCE=0)" in c for _, c in rows) == 1
 
 
 def test_bench_recipe_section_compares_the_recipes_with_timms_loop(tmp_path):

@@ -3,10 +3,11 @@ Horovod by scripts/build_horovod.py), proven on real jobs under mpirun and horov
 every type it covers, across its 1 MB blocks, the same bits on every rank and as MPI_Allreduce gives, MPI_Allreduce
 kept for the rest, and HVD_TRAIN_SHM_ALLREDUCE=0 turning it off."""
 import json
+import subprocess
 
 import pytest
 
-from conftest import launch
+from conftest import job_env, launch, launch_command
 
 pytestmark = pytest.mark.distributed
 
@@ -58,3 +59,14 @@ def test_three_ranks_get_the_same_bits_as_mpi_allreduce_gives_them(tmp_path, wor
     # HVD_TRAIN_SHM_ALLREDUCE=0 keeps every allreduce on MPI.
     assert reduced_by and set(map(tuple, reduced_by.values())) == {("MPI_ALLREDUCE",)}, reduced_by
     assert shm_digests == mpi_digests
+
+
+def test_without_a_usable_dev_shm_every_allreduce_stays_on_mpi(tmp_path, worker):
+    # Some containers have no writable /dev/shm: the ranks agree to keep to MPI_Allreduce, and the job goes on.
+    readonly = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o ro tmpfs /dev/shm && exec "$@"', "ro-shm"]
+    cmd = readonly + launch_command("mpirun", 2, [str(worker("shm_allreduce.py")), str(tmp_path)])
+    proc = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert reports[0]["wrong"] == reports[1]["wrong"] == []
+    assert set(map(tuple, reports[0]["reduced_by"].values())) == {("MPI_ALLREDUCE",)}
