@@ -561,8 +561,8 @@ SHM_ALLREDUCE_FILE = "horovod/common/ops/hvdt_shm_allreduce.h"
 def shm_allreduce_patches():
     """Horovod's MPI allreduce through memory the ranks share, where all ranks of the process set are on one node
     (scripts/shm_allreduce.h says why and how): float32, float64, bfloat16, int32 and int64 sums and averages; other
-    types and reductions, and ranks on several nodes, keep to MPI_Allreduce. HVD_TRAIN_SHM_ALLREDUCE=0 on any rank
-    turns it off for the job. The timeline names the activity SHM_ALLREDUCE instead of MPI_ALLREDUCE."""
+    types and reductions, tensors on GPUs, and ranks on several nodes keep to MPI_Allreduce. HVD_TRAIN_SHM_ALLREDUCE=0
+    on any rank turns it off for the job. The timeline names the activity SHM_ALLREDUCE instead of MPI_ALLREDUCE."""
     why = "allreduce through shared memory on one node"
     edits = [
         ("horovod/common/mpi/mpi_context.h", "namespace horovod {\nnamespace common {\n",
@@ -632,12 +632,16 @@ def shm_allreduce_patches():
          "  // Do allreduce.\n"
          "  const void* sendbuf = entries.size() > 1 || fused_input_data == buffer_data\n"
          "                        ? MPI_IN_PLACE : fused_input_data;\n"
-         "  // hvd-train: through shared memory where the process set is on one node and the type has it.\n"
+         "  // hvd-train: through shared memory where the process set is on one node and the type has it; not for\n"
+         "  // tensors on a GPU (a CUDA-aware MPI's allreduce of device memory).\n"
          "  hvdt_shm_type shm_type;\n"
-         "  struct hvdt_shm* shm = HvdtShmType(first_entry.tensor->dtype(), &shm_type)\n"
+         "  struct hvdt_shm* shm = first_entry.device == CPU_DEVICE_ID &&\n"
+         "                        HvdtShmType(first_entry.tensor->dtype(), &shm_type)\n"
          "                        ? HvdtShmFor(mpi_context, response.reduce_op()) : nullptr;\n"
-         "  // It scales float sums itself (an average), while they are in cache; Horovod scales the rest below.\n"
-         "  bool shm_scales = shm != nullptr && (shm_type == HVDT_SHM_FLOAT32 || shm_type == HVDT_SHM_FLOAT64);\n"
+         "  // It scales floating-point sums itself (an average), while they are in cache; Horovod scales the\n"
+         "  // integer ones below.\n"
+         "  bool shm_scales = shm != nullptr && (shm_type == HVDT_SHM_FLOAT32 || shm_type == HVDT_SHM_FLOAT64 ||\n"
+         "                                       shm_type == HVDT_SHM_BFLOAT16);\n"
          "  int op = MPI_SUCCESS;\n"
          "  if (shm != nullptr) {\n"
          "    timeline.ActivityStartAll(entries, \"SHM_ALLREDUCE\");\n"

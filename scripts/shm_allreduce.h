@@ -215,23 +215,6 @@ static inline void hvdt_shm_barrier(struct hvdt_shm *shm) {
             hvdt_shm_wait(shm, r, target);
 }
 
-static inline float hvdt_bf16_to_float(uint16_t bits) {
-    uint32_t word = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &word, sizeof(value));
-    return value;
-}
-
-/* Round to nearest, ties to even; a NaN stays a quiet NaN (as Horovod's bfloat16 patch rounds). */
-static inline uint16_t hvdt_float_to_bf16(float value) {
-    uint32_t word;
-    memcpy(&word, &value, sizeof(word));
-    if ((word & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((word >> 16) | 0x0040u);
-    word += 0x7fffu + ((word >> 16) & 1u);
-    return (uint16_t)(word >> 16);
-}
-
 /* `restrict` (C) and `__restrict__` (C++) let the compiler vectorize the sums: a slot and a segment never overlap. */
 #ifdef __cplusplus
 #define HVDT_RESTRICT __restrict__
@@ -275,13 +258,41 @@ HVDT_SHM_SUM(int64_t)
 HVDT_SHM_SCALE(float)
 HVDT_SHM_SCALE(double)
 
-/* bfloat16: summed in float32 over all ranks and rounded once. */
-HVDT_SHM_VECTORIZED static inline void hvdt_shm_sum_bf16(const void *const *part, int size, size_t count, uint16_t *out) {
+/* bfloat16: summed in float32 over all ranks and rounded once, then, for an average, scaled in float32 and rounded
+ * again, as Horovod scales a bfloat16 buffer. In chunks through a float32 accumulator, so that each loop is simple
+ * enough for the compiler to vectorize (the conversions are shifts, the rounding a select). */
+#define HVDT_SHM_BF16_CHUNK 1024
+HVDT_SHM_VECTORIZED static inline void hvdt_shm_bf16_widen(const uint16_t *in, size_t count, float *acc, int add) {
     for (size_t i = 0; i < count; i++) {
-        float total = 0.0f;
+        uint32_t word = (uint32_t)in[i] << 16;
+        float value;
+        memcpy(&value, &word, sizeof(value));
+        acc[i] = add ? acc[i] + value : value;
+    }
+}
+
+HVDT_SHM_VECTORIZED static inline void hvdt_shm_bf16_narrow(const float *acc, size_t count, uint16_t *out) {
+    for (size_t i = 0; i < count; i++) {
+        uint32_t word;
+        memcpy(&word, &acc[i], sizeof(word));
+        uint32_t rounded = (word + 0x7fffu + ((word >> 16) & 1u)) >> 16;
+        out[i] = (uint16_t)((word & 0x7fffffffu) > 0x7f800000u ? ((word >> 16) | 0x0040u) : rounded);
+    }
+}
+
+static inline void hvdt_shm_sum_bf16(const void *const *part, int size, size_t count, uint16_t *out, float scale) {
+    float acc[HVDT_SHM_BF16_CHUNK];
+    for (size_t done = 0; done < count; done += HVDT_SHM_BF16_CHUNK) {
+        size_t n = count - done < HVDT_SHM_BF16_CHUNK ? count - done : HVDT_SHM_BF16_CHUNK;
         for (int r = 0; r < size; r++)
-            total += hvdt_bf16_to_float(((const uint16_t *)part[r])[i]);
-        out[i] = hvdt_float_to_bf16(total);
+            hvdt_shm_bf16_widen((const uint16_t *)part[r] + done, n, acc, r > 0);
+        hvdt_shm_bf16_narrow(acc, n, out + done);
+        if (scale != 1.0f) {
+            hvdt_shm_bf16_widen(out + done, n, acc, 0);
+            for (size_t i = 0; i < n; i++)
+                acc[i] *= scale;
+            hvdt_shm_bf16_narrow(acc, n, out + done);
+        }
     }
 }
 
@@ -292,9 +303,9 @@ static inline size_t hvdt_shm_first(size_t count, int r, int size) {
 
 /* Sums `count` elements of `type` over the ranks of the communicator `shm` was made on, from `send` into `recv`
  * on every rank (send == recv: in place). Collective: every rank calls it with the same type and count.
- * `scale` multiplies the sums of float32 and float64 (an average's 1/size), as Horovod scales a buffer after
- * MPI_Allreduce (in the type's own precision, so the bits are the same), but while the segment is in cache instead
- * of in another pass over the whole buffer; other types take 1.0, and the caller scales them.
+ * `scale` multiplies the sums of float32, float64 and bfloat16 (an average's 1/size), as Horovod scales a buffer
+ * after MPI_Allreduce (in the same precision and order, so the bits are the same), but while the segment is in
+ * cache instead of in another pass over the whole buffer; the integer types take 1.0, and the caller scales them.
  *
  * Per block: each rank stages the block in its slot, all but its own segment, which it reads from `send` itself;
  * it sums its segment over all ranks into its reduced segment; then it copies every rank's reduced segment into
@@ -327,7 +338,9 @@ static inline void hvdt_shm_allreduce(struct hvdt_shm *shm, const void *send, vo
             break;
         case HVDT_SHM_INT32: hvdt_shm_sum_int32_t(part, shm->size, end - first, (int32_t *)out); break;
         case HVDT_SHM_INT64: hvdt_shm_sum_int64_t(part, shm->size, end - first, (int64_t *)out); break;
-        case HVDT_SHM_BFLOAT16: hvdt_shm_sum_bf16(part, shm->size, end - first, (uint16_t *)out); break;
+        case HVDT_SHM_BFLOAT16:
+            hvdt_shm_sum_bf16(part, shm->size, end - first, (uint16_t *)out, (float)scale);
+            break;
         }
         hvdt_shm_barrier(shm); /* every segment reduced */
         for (int r = 0; r < shm->size; r++) {
