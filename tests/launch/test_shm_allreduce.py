@@ -49,7 +49,8 @@ def test_sums_and_averages_go_through_shared_memory_exactly(tmp_path, worker):
 
 def test_three_ranks_get_the_same_bits_as_mpi_allreduce_gives_them(tmp_path, worker):
     # 3 ranks: segments of uneven length, sums over more than two slots, and averages scaled by 1/3 (rounded), which
-    # the shared-memory path scales in cache where Horovod scales the buffer after MPI_Allreduce: the same bits.
+    # the shared-memory path scales in cache where Horovod scales the buffer after MPI_Allreduce: the same bits (the
+    # worker's sums are exact, so the order of the additions cannot change them).
     (tmp_path / "shm").mkdir()
     (tmp_path / "mpi").mkdir()
     reduced_by, shm_digests = run_worker(tmp_path / "shm", worker, "horovodrun-mpi", 3)
