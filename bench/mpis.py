@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from build_horovod import cache_root  # noqa: E402  (the one place the cache's folder is decided)
+from build_horovod import SHM_ALLREDUCE_HEADER, cache_root  # noqa: E402  (the one place each is decided)
 
 PROBE = os.path.join(ROOT, "bench", "mpi_allreduce.c")
-SHM_HEADER_DIR = os.path.join(ROOT, "scripts")  # shm_allreduce.h, as the Horovod build adds it
 INSTALLER = os.path.join(ROOT, "scripts", "install.sh")
 KINDS = ("system", "openmpi", "mpich", "impi")
 
@@ -89,7 +88,8 @@ def allreduce_sweep(mpi, workdir, max_bytes, min_seconds):
     """The probe built with this MPI's mpicc and run on 2 ranks with its mpirun: {"library", "sweep": [{bytes,
     seconds, shm_seconds}]}."""
     exe = os.path.join(workdir, f"mpi_allreduce_{mpi.kind}")
-    subprocess.run([mpi.tool("mpicc"), "-O2", "-I", SHM_HEADER_DIR, PROBE, "-o", exe], check=True, env=mpi.env)
+    include = str(SHM_ALLREDUCE_HEADER.parent)  # shm_allreduce.h, as the Horovod build adds it
+    subprocess.run([mpi.tool("mpicc"), "-O2", "-I", include, PROBE, "-o", exe], check=True, env=mpi.env)
     cmd = [mpi.tool("mpirun"), "-np", "2", exe, str(max_bytes), str(min_seconds)]
     proc = subprocess.run(cmd, env=mpi.env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:

@@ -43,6 +43,10 @@ def check_paths(reduced_by):
         assert reduced_by[case] == ["MPI_ALLREDUCE"], (case, reduced_by[case])
 
 
+def assert_all_on_mpi(reduced_by):
+    assert reduced_by and set(map(tuple, reduced_by.values())) == {("MPI_ALLREDUCE",)}, reduced_by
+
+
 def test_sums_and_averages_go_through_shared_memory_exactly(tmp_path, worker):
     check_paths(run_worker(tmp_path, worker, "mpirun", 2)[0])
 
@@ -57,8 +61,7 @@ def test_three_ranks_get_the_same_bits_as_mpi_allreduce_gives_them(tmp_path, wor
     check_paths(reduced_by)
     reduced_by, mpi_digests = run_worker(tmp_path / "mpi", worker, "horovodrun-mpi", 3,
                                          env={"HVD_TRAIN_SHM_ALLREDUCE": "0"})
-    # HVD_TRAIN_SHM_ALLREDUCE=0 keeps every allreduce on MPI.
-    assert reduced_by and set(map(tuple, reduced_by.values())) == {("MPI_ALLREDUCE",)}, reduced_by
+    assert_all_on_mpi(reduced_by)  # HVD_TRAIN_SHM_ALLREDUCE=0 keeps every allreduce on MPI
     assert shm_digests == mpi_digests
 
 
@@ -70,4 +73,4 @@ def test_without_a_usable_dev_shm_every_allreduce_stays_on_mpi(tmp_path, worker)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert reports[0]["wrong"] == reports[1]["wrong"] == []
-    assert set(map(tuple, reports[0]["reduced_by"].values())) == {("MPI_ALLREDUCE",)}
+    assert_all_on_mpi(reports[0]["reduced_by"])
