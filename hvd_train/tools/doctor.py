@@ -156,9 +156,10 @@ def check_host(report, name, slots, facts, reference, args):
                    f"{name}:{cpus} at most: more CPU ranks than cores share them, and every step waits for the "
                    f"slowest rank" if over else "")
     if not args.gloo:
-        report.add(name, "mpirun", "ok" if facts["mpirun"] else "FAIL", facts["mpirun"] or "not on PATH",
-                   "" if facts["mpirun"] else "install OpenMPI on every host (scripts/install.sh), or launch with "
-                   "horovodrun --gloo")
+        report.add(name, "mpirun", "ok" if facts["mpirun"] else "FAIL",
+                   facts["mpirun"] or "not in the environment nor on PATH",
+                   "" if facts["mpirun"] else "set up the environment on every host (scripts/install.sh installs an "
+                   "MPI), or launch with horovodrun --gloo")
     skew = facts["skew"]
     report.add(name, "clock", "WARN" if abs(skew) > 2 else "ok", f"{skew:+.1f} s against this host",
                "run NTP/chrony on every host: logs and timelines are compared across hosts" if abs(skew) > 2 else "")

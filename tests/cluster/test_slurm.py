@@ -8,12 +8,11 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, free_port, job_env, read_json, wait_for
+from conftest import ROOT, free_port, job_env, launch_command, read_json, wait_for
 
 pytestmark = pytest.mark.distributed
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue")
@@ -120,9 +119,9 @@ def test_a_warned_then_preempted_job_requeues_itself_and_ends_with_the_weights_o
     job = proc.stdout.strip().split(";")[0]
     out = ROOT / "runs" / f"slurm-{name}-{job}"
     # The same training, never stopped: mpirun as the script runs it, one thread per rank as SLURM gives it.
-    reference = subprocess.Popen(["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", "-x",
-                                  "OMP_NUM_THREADS=1", sys.executable, str(ROOT / "train_hvd.py"), "--output-dir",
-                                  str(tmp_path / "reference"), *JOB], cwd=ROOT, env=job_env(),
+    reference = subprocess.Popen(launch_command("mpirun", 2, [str(ROOT / "train_hvd.py"), "--output-dir",
+                                                              str(tmp_path / "reference"), *JOB]),
+                                 cwd=ROOT, env={**job_env(), "OMP_NUM_THREADS": "1"},
                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         warned_preempted_and_finished(slurm, job, out, log)

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from hvd_train.run import checkpoint
-from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, epochs_in, job_env, launch_command,
-                      read_json, run_app, tensorboard_steps, train_here, wait_for)
+from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, epochs_in, find_mpirun, job_env,
+                      launch_command, read_json, run_app, tensorboard_steps, train_here, wait_for)
 
 TENSORBOARD = "--logging.tensorboard=true"  # these tests read the events back
 
@@ -122,19 +122,22 @@ def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_pat
     run, log = tmp_path / "run", tmp_path / "log"
     np = 1 if launcher == "single" else 2
     with open(log, "w") as out:
-        # mpirun passes its SIGTERM on to the ranks after OMPI_MCA_odls_base_sigkill_timeout seconds and kills them as
-        # long after it: 1 s by default, which a checkpoint at the next step may need more than on a busy machine.
+        # OpenMPI's mpirun passes its SIGTERM on to the ranks after OMPI_MCA_odls_base_sigkill_timeout seconds and
+        # kills them as long after it: 1 s by default, which a checkpoint at the next step may need more than on a
+        # busy machine.
         proc = start(launcher, np, run, out, env={"OMPI_MCA_odls_base_sigkill_timeout": "3"})
         wait_for(lambda: len(finished_epochs(run)) >= 2 or proc.poll() is not None, "two epochs")
         (os.killpg if target == "group" else os.kill)(proc.pid, signum)
-        # What the README says: one process reports the signal and exits 128 + it; horovodrun and mpirun catch
-        # it, end their ranks with SIGTERM (the ranks' process groups are their own, which a terminal's Ctrl-C
-        # does not reach); mpirun (and horovodrun --mpi, which becomes it) exits 1, horovodrun --gloo with the
-        # code of the rank that ended first, 143.
-        reported = signum if launcher == "single" else signal.SIGTERM
+        # What docs/reliability.md says: one process reports the signal and exits 128 + it; horovodrun and
+        # OpenMPI's mpirun catch it, end their ranks with SIGTERM (the ranks' process groups are their own, which
+        # a terminal's Ctrl-C does not reach); OpenMPI's mpirun (and horovodrun --mpi, which becomes it) exits 1,
+        # horovodrun --gloo with the code of the rank that ended first, 143. Hydra, the mpirun of MPICH and Intel
+        # MPI, passes the signal itself on and exits with the ranks' code.
+        passes_it_on = launcher == "single" or (launcher != "horovodrun-gloo" and find_mpirun()[1] == "hydra")
+        reported = signum if passes_it_on else signal.SIGTERM
         output, saved = interrupted(proc, log, reported)
         # (137 where the rank that ended first had to be killed after the grace period, on a very busy machine)
-        expected = {128 + signum} if launcher == "single" else {143, 137} if launcher == "horovodrun-gloo" else {1}
+        expected = {128 + signum} if passes_it_on else {143, 137} if launcher == "horovodrun-gloo" else {1}
         assert proc.returncode in expected, (proc.returncode, output[-3000:])
     assert checkpoint.load(str(run / "checkpoints" / "last.pt"))["epoch"] == saved
     assert not (run / "summary.json").exists()

@@ -25,6 +25,8 @@ def main():
         calls["n"] += 1
         if hvd_utils.launcher_rank() == rank and calls["n"] == step:
             # When the fault happens, for the test to time how long the job takes to end after it.
+            with open(os.environ["HVD_TEST_FAULT_TIME"] + ".pid", "w") as f:  # how MPICH's mpirun names a rank
+                f.write(str(os.getpid()))
             with open(os.environ["HVD_TEST_FAULT_TIME"], "w") as f:
                 f.write(repr(time.time()))
             if mode in ("kill", "stop"):

@@ -73,11 +73,31 @@ def reduced_by(timeline_path):
     return {case: sorted(names) for case, names in found.items()}
 
 
+def fill_dev_shm():
+    """Fill /dev/shm (a small tmpfs of the test's own) after MPI has set up, as other programs can leave it."""
+    chunk = bytes(1 << 20)
+    with open("/dev/shm/hvd-test-filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError:  # ENOSPC: full
+            pass
+    try:  # the last pages
+        with open("/dev/shm/hvd-test-filler", "ab", buffering=0) as f:
+            while True:
+                f.write(bytes(4096))
+    except OSError:
+        pass
+
+
 def main():
     out_dir = sys.argv[1]
     timeline = os.path.join(out_dir, "timeline.json")
     os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"  # so that it can be started after init, to a file of our choice
     hvd.init()
+    if os.environ.get("HVD_TEST_FILL_DEV_SHM") == "1" and hvd.rank() == 0:
+        fill_dev_shm()
+    hvd.broadcast(torch.zeros(1), root_rank=0, name="filled")  # not an allreduce: the memory is not made yet
     hvd.start_timeline(timeline)
     wrong, digests = [], {}
     for name, run, expected in cases(hvd.size()):
