@@ -276,8 +276,8 @@ def patches(cxx_standard):
          "        .format(mpirun=_mpirun(), basic_args=basic_args,\n",
          "the same"),
         ("horovod/runner/mpi_run.py",
-         "        mpi_ssh_args = f'-bootstrap=ssh -bootstrap-exec-args \\\"{joined_ssh_args}\\\"' if impi_or_mpich else "
-         "f'-mca plm_rsh_args \\\"{joined_ssh_args}\\\"'\n",
+         "        mpi_ssh_args = f'-bootstrap=ssh -bootstrap-exec-args \\\"{joined_ssh_args}\\\"' if impi_or_mpich "
+         "else f'-mca plm_rsh_args \\\"{joined_ssh_args}\\\"'\n",
          "        if mpi == _MPICH_IMPL:\n"
          "            # hvd-train: MPICH's Hydra has no -bootstrap-exec-args (Intel's has): it reads ssh's extra\n"
          "            # arguments from its environment.\n"
