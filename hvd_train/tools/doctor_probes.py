@@ -27,7 +27,7 @@ import torch
 facts["gpus"] = torch.cuda.device_count()
 facts["cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 # The environment's own mpirun first (an MPI setup installed from PyPI), as horovodrun runs it, then PATH's.
-facts["mpirun"] = (shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun"))
+facts["mpirun"] = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
 path = os.path.abspath(sys.argv[1])
 while not os.path.exists(path):
     path = os.path.dirname(path)

@@ -75,19 +75,12 @@ def reduced_by(timeline_path):
 
 def fill_dev_shm():
     """Fill /dev/shm (a small tmpfs of the test's own) after MPI has set up, as other programs can leave it."""
-    chunk = bytes(1 << 20)
     with open("/dev/shm/hvd-test-filler", "wb", buffering=0) as f:
         try:
             while True:
-                f.write(chunk)
+                f.write(bytes(4096))  # page by page, to the last one
         except OSError:  # ENOSPC: full
             pass
-    try:  # the last pages
-        with open("/dev/shm/hvd-test-filler", "ab", buffering=0) as f:
-            while True:
-                f.write(bytes(4096))
-    except OSError:
-        pass
 
 
 def main():
