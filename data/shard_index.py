@@ -7,14 +7,19 @@ without talking to the others (data/shards.py says how the shards are then read)
 import json
 import os
 import random
+import re
 import socket
+import string
+import subprocess
 import urllib.parse
 from dataclasses import dataclass
 
 from hvd_train.data.errors import DataError
+from hvd_train.uris import redact_all
 
 INDEX = "index.json"
 INDEX_MAX_BYTES = 64 * 2**20  # read from a file or a server: bounded before it is parsed
+MAX_SHARDS = 10**6  # names a shard pattern may expand to (an index of a million shards is near its size bound)
 MAX_SHARD_SAMPLES = 10**8  # samples one shard may claim (a tar of 100 million images is far past any writer's)
 FACT_BOUNDS = {"num_classes": 10**6, "in_channels": 64, "image_size": 8192}  # they size the model and the images
 FORMAT = "hvd-train shards"
@@ -40,10 +45,78 @@ def shard_name(url):
 
 
 def expand(pattern):
-    """'a-{000..009}.tar' or several patterns joined by '::' -> the list of shard URLs (webdataset's expansion)."""
-    from webdataset.shardlists import expand_urls
+    """'a-{000..009}.tar' or several patterns joined by '::' -> the list of shard URLs: webdataset's expansion (WDS_
+    variables, then braces), refused past MAX_SHARDS names. A pattern comes from the command line or a file: a few
+    braces can name billions of shards, and braceexpand lists every range in memory before it yields a name, so
+    the names are counted first (names_in), without listing any."""
+    import braceexpand
+    from webdataset.shardlists import envsubst
 
-    return list(expand_urls(pattern))
+    parts = []
+    for part in pattern.split("::"):
+        for _ in range(10):  # as webdataset: a variable's value may name another
+            try:
+                substituted = envsubst(part)
+            except AssertionError:  # webdataset's word for a ${NAME} whose WDS_NAME is not set
+                unset = next(n for n in re.findall(r"\$\{(\w+)\}", part) if f"WDS_{n}" not in os.environ)
+                raise DataError(f"${{{unset}}} stands for the environment variable WDS_{unset}, which is not set; "
+                                f"set it, or write the pattern out") from None
+            if substituted == part:
+                break
+            part = substituted
+        parts.append(part)
+    if sum(names_in(part) for part in parts) > MAX_SHARDS:
+        raise DataError(f"it expands to more than {MAX_SHARDS:,} shard names; name fewer shards")
+    return [name for part in parts for name in braceexpand.braceexpand(part)]
+
+
+def names_in(pattern):
+    """How many names braceexpand makes of `pattern`, counted by its own grammar (escapes, nested groups, comma
+    lists, number and letter ranges with steps); at most MAX_SHARDS + 1. Raises DataError where braceexpand would
+    refuse the braces."""
+    count, start, depth, pos = 1, 0, 0, 0
+    while pos < len(pattern):
+        if pattern[pos] == "\\":
+            pos += 2
+            continue
+        if pattern[pos] == "{":
+            if depth == 0:
+                start = pos
+            depth += 1
+        elif pattern[pos] == "}":
+            depth -= 1
+            if depth == 0:
+                count = min(count * _names_in_group(pattern[start + 1:pos]), MAX_SHARDS + 1)
+        pos += 1
+    if depth != 0:
+        raise DataError(f"its braces do not balance: {pattern[:200]!r}")
+    return count
+
+
+def _names_in_group(expr):
+    numbers = re.match(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$", expr)
+    if numbers:
+        first, last, step = int(numbers.group(1)), int(numbers.group(2)), int(numbers.group(3) or 1) or 1
+        return len(range(first, last + 1, step) if first < last else range(first, last - 1, -step))
+    letters = re.match(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?$", expr)
+    if letters:  # braceexpand's alphabet: the capitals first
+        alphabet = string.ascii_uppercase + string.ascii_lowercase
+        first, last, step = alphabet.index(letters.group(1)), alphabet.index(letters.group(2)), \
+            int(letters.group(3) or 1) or 1
+        return len(alphabet[first:last + 1:step] if first < last else alphabet[first:(last or -52) - 1:-step])
+    items, start, depth, pos = [], 0, 0, 0
+    while pos < len(expr):  # a comma list at the top of the group: the items' names, one after another
+        if expr[pos] == "\\":
+            pos += 2
+            continue
+        depth += {"{": 1, "}": -1}.get(expr[pos], 0)
+        if expr[pos] == "," and depth == 0:
+            items.append(expr[start:pos])
+            start = pos + 1
+        pos += 1
+    if depth != 0 or not items:  # no list: the braces are kept as text around the group's own expansion
+        return names_in(expr)
+    return sum(names_in(item) for item in items + [expr[start:]])
 
 
 def default_index(pattern):
@@ -54,17 +127,38 @@ def default_index(pattern):
     return first.rsplit("/", 1)[0] + "/" + INDEX if "/" in first else INDEX
 
 
+# curl as webdataset runs it for http(s)://, except that the URL goes in through curl's config on stdin: a token in
+# the URL (?token=...) would otherwise be in curl's command line, which every user of the machine sees (ps).
+CURL = ("curl", "--config", "-", "--connect-timeout", "30", "--retry", "30", "--retry-delay", "2", "-f", "-s", "-L")
+
+
+def open_location(url):
+    """A stream of the shard or index at `url`, as webdataset's gopen opens it; http(s):// through CURL."""
+    from webdataset.gopen import Pipe, gopen
+
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+        return gopen(url)
+    if any(c in url for c in "\r\n\0"):
+        raise ValueError("a URL with a line break or NUL in it")
+    pipe = Pipe(list(CURL), mode="rb", stdin=subprocess.PIPE, ignore_status=[141, 23])
+    quoted = url.replace("\\", "\\\\").replace('"', '\\"')
+    pipe.proc.stdin.write(f'url = "{quoted}"\n'.encode())
+    pipe.proc.stdin.close()
+    return pipe
+
+
 def read_index(location):
     """{'shards': {name: count}, 'facts': {...}} from a local path, http(s):// URL or pipe: command."""
-    from webdataset.gopen import gopen
-
     try:
-        with gopen(location) as f:
+        with open_location(location) as f:
             text = f.read(INDEX_MAX_BYTES + 1)
         if len(text) > INDEX_MAX_BYTES:
             raise DataError(f"shard index {location}: larger than {INDEX_MAX_BYTES // 2**20} MB, far more than an "
                             f"index of a million shards takes; it is not one `hvd-train shard` wrote")
         index = json.loads(text)
+    except RecursionError:  # json nests recursively
+        raise DataError(f"shard index {location}: its values nest thousands of levels deep; it is not one "
+                        f"`hvd-train shard` wrote") from None
     except (OSError, ValueError) as e:  # a missing file, a failed download, text that is not JSON
         if isinstance(e, DataError):
             raise
@@ -106,6 +200,11 @@ def open_sets(train_shards, val_shards, shard_index=""):
         if not value:
             raise DataError(f"--dataset shards needs --data.{name}: a shard path, URL or pipe: command, with "
                             f"braces for a range, e.g. 'shards/{name[:-7]}-{{000000..000009}}.tar'")
+        try:
+            expand(value)
+        except (DataError, RecursionError) as e:  # braceexpand recurses once per nested brace
+            raise DataError(f"--data.{name} {redact_all(value)[:200]!r}: {e or 'its braces nest too deeply'}") \
+                from None
     location = shard_index or default_index(train_shards)
     if location is None:
         raise DataError("--data.train_shards is a pipe: command: name the shard index with --data.shard_index")

@@ -18,6 +18,7 @@ from torch.utils.data import Subset
 from hvd_train.data.arrays import ImageTensorDataset
 from hvd_train.data.errors import DataError
 from hvd_train.data.shard_index import FORMAT, INDEX
+from hvd_train.run.directory import atomic_write, temporary_beside
 
 
 def raw_samples(dataset):
@@ -100,28 +101,38 @@ def facts_of(dataset, info, dataset_name):
 
 
 def write_split(dataset, out, split, shard_size):
-    """{shard name: samples} for the split's shards, written whole (a temporary name, then renamed)."""
-    from webdataset import TarWriter
-
-    counts, writer, name, key = {}, None, None, 0
+    """{shard name: samples} for the split's shards, each written whole under a temporary name of its own (never
+    through a link someone planted in --out), then renamed."""
+    counts, shard, name, key = {}, None, None, 0
     for fields in raw_samples(dataset):
-        if writer is None or counts[name] == shard_size:
-            if writer is not None:
-                finish(writer, out, name)
+        if shard is None or counts[name] == shard_size:
+            if shard is not None:
+                shard.finish()
             name = f"{split}-{len(counts):06d}.tar"
             counts[name] = 0
-            writer = TarWriter(os.path.join(out, name + ".tmp"))
-        writer.write({"__key__": f"{key:09d}", **fields})
+            shard = Shard(os.path.join(out, name))
+        shard.writer.write({"__key__": f"{key:09d}", **fields})
         counts[name] += 1
         key += 1
-    if writer is not None:
-        finish(writer, out, name)
+    if shard is not None:
+        shard.finish()
     return counts
 
 
-def finish(writer, out, name):
-    writer.close()
-    os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+class Shard:
+    """A tar shard being written: a TarWriter on a new file beside `path`, renamed to `path` when finished."""
+
+    def __init__(self, path):
+        from webdataset import TarWriter
+
+        fd, self.tmp = temporary_beside(path)
+        self.path, self.file = path, os.fdopen(fd, "wb")
+        self.writer = TarWriter(self.file)
+
+    def finish(self):
+        self.writer.close()
+        self.file.close()
+        os.replace(self.tmp, self.path)
 
 
 def write_shards(train, val, info, dataset_name, out, shard_size):
@@ -133,7 +144,5 @@ def write_shards(train, val, info, dataset_name, out, shard_size):
     for split, dataset in (("train", train), ("val", val)):
         shards.update(write_split(dataset, out, split, shard_size))
     index = {"format": FORMAT, "version": 1, "facts": facts_of(train, info, dataset_name), "shards": shards}
-    with open(os.path.join(out, INDEX + ".tmp"), "w") as f:
-        json.dump(index, f, indent=1)
-    os.replace(os.path.join(out, INDEX + ".tmp"), os.path.join(out, INDEX))
+    atomic_write(os.path.join(out, INDEX), lambda f: json.dump(index, f, indent=1))
     return index

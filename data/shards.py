@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 from hvd_train.data.augment import derived_seed, seed_all
 from hvd_train.data.errors import UNREADABLE_IMAGE, BadSampleError
 from hvd_train.data.images import as_mode
-from hvd_train.data.shard_index import by_worker, check_plan, deal, train_plan, unreachable
+from hvd_train.data.shard_index import by_worker, check_plan, deal, open_location, train_plan, unreachable
 
 IMAGE_KEYS = ("png", "jpg", "jpeg", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
 
@@ -183,12 +183,12 @@ class ShardStream(IterableDataset):
     def samples(self, shard_indices):
         """(tar fields, url) of each sample of the shards, in order; a shard that cannot be read, or that holds
         another number of samples than the index says, is named."""
-        from webdataset.tariterators import tarfile_samples
+        from webdataset.tariterators import group_by_keys, tar_file_expander
 
         for i in shard_indices:
             url, expected, seen = self.shards.urls[i], self.shards.counts[i], 0
             try:
-                for sample in tarfile_samples([{"url": url}]):
+                for sample in group_by_keys(tar_file_expander([{"url": url, "stream": open_location(url)}])):
                     seen += 1
                     yield sample, url
             except BadSampleError:
@@ -202,6 +202,14 @@ class ShardStream(IterableDataset):
             if seen != expected:
                 raise BadSampleError(f"shard {url}: holds {seen} samples, its index says {expected}: the shard is "
                                      f"cut short or the index is stale; rewrite them with `hvd-train shard`")
+
+
+def first_batch(shards, image_size, count):
+    """The first `count` samples of a validation ShardSet, in shard order, prepared and collated as validation
+    prepares them (one rank, no loader workers): what `hvd-train export` checks an export on."""
+    place = Place(seed=0, rank=0, world_size=1, workers=0, batch_size=count)
+    size = image_size or shards.facts.get("image_size")
+    return next(iter(ShardStream(shards, place, transform_for(shards.facts, size, False), shuffle_buffer=0)))
 
 
 def batches_before(counts, steps):

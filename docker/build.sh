@@ -4,7 +4,7 @@
 #   docker/build.sh cpu|gpu [--tag TAG] [--base IMAGE] [--ca-bundle FILE] [-- DOCKER_BUILD_ARGS...]
 #
 #   --tag        default hvd-train:cpu or hvd-train:gpu
-#   --base       the base image (default python:3.11-slim-bookworm): any Debian or Ubuntu image, e.g. a site's
+#   --base       the base image (default $HVD_BASE_IMAGE, else python:3.11-slim-bookworm): any Debian or Ubuntu image, e.g. a site's
 #                mirror, nvidia/cuda:13.0.0-devel-ubuntu24.04, or hvd-train-base:bookworm from docker/base-image.sh
 #                where no registry can be reached
 #   --ca-bundle  a CA bundle for pip inside the build (behind a proxy that re-signs HTTPS; default $HVD_CA_BUNDLE),
@@ -23,7 +23,7 @@ case "$1" in
 esac
 shift
 TAG=hvd-train:$VARIANT
-BASE=""
+BASE=${HVD_BASE_IMAGE:-}
 CA=${HVD_CA_BUNDLE:-}
 while [ $# -gt 0 ]; do
     case "$1" in

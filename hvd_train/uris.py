@@ -36,6 +36,13 @@ def redact(uri):
     return urlunsplit(parts._replace(query=urlencode(query, safe="{}.:/,")))
 
 
+def redact_argument(word):
+    """A command-line word as it may be shown: the URIs in it redacted, in a flag's `--name=value` form too, and
+    in a '::' list of shard patterns."""
+    flag, sep, value = word.partition("=") if word.startswith("-") else ("", "", word)
+    return flag + sep + redact_all(value) if "://" in value else word
+
+
 def redact_all(location):
     """A shard location, patterns joined by '::', each redacted."""
     if not isinstance(location, str):

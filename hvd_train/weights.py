@@ -8,12 +8,15 @@ another number of classes is re-initialised that way.
 import fnmatch
 import logging
 import os
+import pickle
+import zipfile
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from hvd_train.errors import ConfigError
+from hvd_train.run.checkpoint import unbounded_members
 
 log = logging.getLogger("hvd_train")
 WRAPPERS = ("module.", "_orig_mod.")  # DistributedDataParallel's and torch.compile's prefixes
@@ -24,16 +27,31 @@ def read_state_dict(path):
     if not os.path.isfile(path):
         raise ConfigError(f"--init-from {path}: no such file; give a local .pt, .pth or .safetensors file, or an "
                           f"hvd-train checkpoint (runs/NAME/checkpoints/last.pt)")
+    expected = ("expected a state dict saved with torch.save(model.state_dict(), path), a .safetensors file or an "
+                "hvd-train checkpoint")
+    if not path.endswith(".safetensors"):
+        # torch.save's zip archive only: the legacy format (torch before 1.6) allocates each tensor at the size the
+        # file declares before reading it, and a compressed member inflates in memory.
+        if not zipfile.is_zipfile(path):
+            raise ConfigError(f"--init-from {path}: not a zip archive as torch.save writes (a file cut short, another "
+                              f"format, or torch's pre-1.6 format: load and save it again with a current torch); "
+                              f"{expected}")
+        unbounded = unbounded_members(path)
+        if unbounded:
+            raise ConfigError(f"--init-from {path}: {unbounded}; it is refused unread")
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
 
             return load_file(path, device="cpu")
         loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a truncated file, another format, pickled code that weights_only refuses
+    except pickle.UnpicklingError:
+        # torch's own message advises weights_only=False, which would run the file's code: not for our users.
+        raise ConfigError(f"--init-from {path}: holds Python objects other than tensors and plain values, and is "
+                          f"refused (loading those could run code); {expected}") from None
+    except Exception as e:  # a damaged archive, a safetensors header that does not parse
         raise ConfigError(f"--init-from {path}: cannot be read as weights ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else 'no detail'}); expected a state dict saved with "
-                          f"torch.save(model.state_dict(), path), a .safetensors file or an hvd-train checkpoint")
+                          f"{str(e).splitlines()[0] if str(e) else 'no detail'}); {expected}") from None
     if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict) and "epoch" in loaded:
         loaded = loaded["model"]  # an hvd-train checkpoint
     elif isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):

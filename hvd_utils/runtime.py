@@ -127,7 +127,8 @@ def start(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, gloo_timeout_s
     """Horovod: hvd.init(), with its tuning set first (it reads the environment once, here).
 
     fusion_threshold_mb and cycle_time_ms tune Horovod (see tuning_env); elastic runs too, since hvd-train's
-    Horovod build no longer crashes when an elastic reset re-initialises with both set (scripts/build_horovod.py).
+    Horovod build no longer crashes when an elastic reset re-initialises with both set
+    (scripts/horovod/build_horovod.py).
     gloo_timeout_s > 0 sets how long a Gloo collective waits for a peer (Horovod's default: 30 s), unless
     HOROVOD_GLOO_TIMEOUT_SECONDS is set. cpu: the ranks train on CPUs even where GPUs are visible."""
     use_gpu = _uses_gpu(cpu)

@@ -17,7 +17,7 @@
 # script, the sdist and the machine's toolchain (or an image) before GPU time is spent; 1, 4 and 5 say SKIP.
 #
 # Bring the sdist from a machine with network: pip download --no-deps --no-binary :all: horovod==0.28.1
-# (or `python scripts/build_horovod.py --print-sdist`, which prints the cached copy's path).
+# (or `python scripts/horovod/build_horovod.py --print-sdist`, which prints the cached copy's path).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

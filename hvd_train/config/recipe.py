@@ -125,6 +125,13 @@ def load_recipe(path, known_only=False):
         raw = _parse_yaml(text, path)
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path}: not valid YAML: {e}")
+    except RecursionError:  # PyYAML composes nested values recursively
+        raise ConfigError(f"--config {path}: its values nest hundreds of levels deep; a recipe is sections of "
+                          f"settings (configs/digits_cnn.yaml)") from None
+    except ValueError as e:  # a value YAML cannot build: an integer past Python's 4300 digits
+        why = "an integer of more than 4300 digits, far past any setting" if "digits" in str(e) else \
+            str(e).splitlines()[0][:200]
+        raise ConfigError(f"--config {path}: a value cannot be read ({why})") from None
     if raw is None or raw == {}:
         raise ConfigError(f"--config {path}: holds no settings; write sections as in configs/digits_cnn.yaml, "
                           f"or leave out --config")

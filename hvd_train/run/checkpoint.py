@@ -208,13 +208,31 @@ class Checkpointer:
             os.remove(old)
 
 
+def unbounded_members(path):
+    """Why reading the torch.save archive at `path` could take more memory than the file holds, or None. torch.save
+    stores every member as it is; torch.load inflates a compressed one in memory whatever its size, so a small file
+    of DEFLATE-compressed zeros would take gigabytes before its contents could be checked."""
+    with zipfile.ZipFile(path) as archive:
+        members = archive.infolist()
+    for member in members:
+        if member.compress_type != zipfile.ZIP_STORED or member.file_size != member.compress_size:
+            return (f"its member {member.filename} is compressed ({member.compress_size:,} bytes that would inflate "
+                    f"to {member.file_size:,}); torch.save stores every member uncompressed")
+    if sum(m.file_size for m in members) > os.path.getsize(path):
+        return "its members claim more bytes than the file holds"
+    return None
+
+
 def load(path):
-    """Read a checkpoint safely (weights_only) and check it is one of ours."""
+    """Read a checkpoint safely (weights_only, every member stored) and check it is one of ours."""
     if os.path.isdir(path):
         raise CheckpointError(f"{path}: is a directory; give a checkpoint file such as {path}/last.pt")
     if not zipfile.is_zipfile(path):
         raise CheckpointError(f"{path}: not a checkpoint, or one cut short (torch.save writes a zip archive and this "
                               f"is not a whole one)")
+    unbounded = unbounded_members(path)
+    if unbounded:
+        raise CheckpointError(f"{path}: not a checkpoint torch.save wrote: {unbounded}; it is refused unread")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on pickle protocols, meaningless to a user

@@ -95,9 +95,9 @@ class RunDir:
         if found:
             for name in self.REPLACED_ON_OVERWRITE:
                 path = self.path(name)
-                if os.path.isdir(path):
+                if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path)
-                elif os.path.exists(path):
+                elif os.path.lexists(path):  # a file, or a link (removed itself: never what it points to)
                     os.remove(path)
         return None
 
@@ -148,9 +148,8 @@ def check_writable(root, tidy=True):
     made = missing_parents(root) if tidy else []
     try:
         os.makedirs(root, exist_ok=True)
-        probe = os.path.join(root, f".write-test.{os.getpid()}")
-        with open(probe, "w"):
-            pass
+        fd, probe = tempfile.mkstemp(dir=root, prefix=".write-test.")  # a new file: never through a planted link
+        os.close(fd)
         os.remove(probe)
     except OSError as e:
         raise CheckpointError(f"--output-dir {root}: cannot write there ({e.strerror or e}); choose a directory "
@@ -220,6 +219,14 @@ def write_json(path, obj):
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
     atomic_write(path, dump)
+
+
+def append_line(path, line):
+    """Append `line` to the file `path`, created where missing; a link planted at `path` is refused (OSError), never
+    written through."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    with os.fdopen(fd, "a") as f:
+        f.write(line)
 
 
 def read_json_or_none(path):

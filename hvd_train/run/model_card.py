@@ -8,6 +8,7 @@ and written beside every export as JSON.
     preprocessing       how an image file becomes an input (data/preprocessing.py; null for data that is not images)
     weights             which weights the file offers: "model", or "ema" (--model-ema: the average validated better)
 """
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -19,6 +20,12 @@ from hvd_train.data.preprocessing import CLASS_NAMES, Preprocessing, of_builtin
 from hvd_train.errors import CheckpointError, ConfigError
 from hvd_train.plugins import call, resolve
 from hvd_train.trust import refuse_code_from
+
+# A model rebuilt from a card takes at most this many bytes per byte of the file holding its weights, plus the slack:
+# its parameters and persistent buffers are in the file, and what it computes besides (non-persistent buffers)
+# stays small for every model that ships.
+MODEL_BYTES_PER_FILE_BYTE = 2
+MODEL_BYTES_SLACK = 64 * 2**20
 
 
 @dataclass
@@ -52,35 +59,55 @@ class ModelCard:
         return card
 
     def check_code(self, where, trusted):
-        """Refuse a card that names code (an import path for the model or task, file-reading model arguments)
-        unless the user passed --trust-code: a card is read from a file that may come from anyone."""
-        refuse_code_from({"model": {"name": self.model, "task": self.task, "args": self.model_args}}, where,
-                         trusted)
+        """Refuse a card that names code (an import path for the model or task, file-reading model arguments or
+        facts) unless the user passed --trust-code: a card is read from a file that may come from anyone."""
+        refuse_code_from({"model": {"name": self.model, "task": self.task, "args": self.model_args,
+                                    "facts": self.facts}}, where, trusted)
 
-    def build(self, shapes):
+    def build(self, shapes, file_bytes, trusted=False):
         """The model, freshly initialised on the CPU in eval mode (load its weights next). `shapes`: {name: shape}
-        of the weights the file holds; the model is built on the meta device first and must have exactly those, so
-        a card cannot make it allocate more than its file holds."""
+        of the weights the file of `file_bytes` bytes holds. The model is built on PyTorch's meta device first: it
+        must have exactly those weights, and its parameters and buffers (persistent or not: a buffer the model
+        computes, such as an attention window's index, is in no file) must fit in MODEL_BYTES_PER_FILE_BYTE times
+        the file plus MODEL_BYTES_SLACK, so a card cannot make it allocate more than its file holds. trusted
+        (--trust-code) lifts the size bound and lets a factory that cannot build on the meta device build."""
         factory = resolve(self.model, models.find_model, "the model", models.CHOICES)
         try:
             with torch.device("meta"):
                 planned = call(factory, self.facts, self.model_args, "the model's arguments", self.model)
         except ConfigError:
             raise
-        except Exception:  # a factory that cannot build without real tensors: its weights are checked on loading
+        except Exception as e:
+            if not trusted:
+                raise CheckpointError(f"the model its card describes ({self.model}) cannot be built on PyTorch's "
+                                      f"meta device ({type(e).__name__}), so its size cannot be checked against its "
+                                      f"file's before it allocates; if you trust this file, pass --trust-code") \
+                    from None
             planned = None
         if planned is not None:
-            # A lazy module's parameters have no shape until they are loaded: they take the file's.
-            wanted = {k: tuple(shapes.get(k, ())) if is_lazy(v) else tuple(v.shape)
-                      for k, v in planned.state_dict().items()}
-            if wanted != {k: tuple(v) for k, v in shapes.items()}:
-                extra = sorted(set(wanted) ^ set(shapes)) or [k for k in wanted if wanted[k] != tuple(shapes[k])]
-                arguments = self.model_args or "no arguments"
-                raise CheckpointError(f"the model its card describes ({self.model} with {arguments}) does not have "
-                                      f"the weights the file holds (first difference: {extra[0]}); the card does not "
-                                      f"belong to these weights")
+            self._check_planned(planned, shapes, file_bytes, trusted)
         model = call(factory, self.facts, self.model_args, "the model's arguments", self.model)
         return model.eval()
+
+    def _check_planned(self, planned, shapes, file_bytes, trusted):
+        # A lazy module's parameters have no shape until they are loaded: they take the file's.
+        wanted = {k: tuple(shapes.get(k, ())) if is_lazy(v) else tuple(v.shape)
+                  for k, v in planned.state_dict().items()}
+        arguments = self.model_args or "no arguments"
+        if wanted != {k: tuple(v) for k, v in shapes.items()}:
+            extra = sorted(set(wanted) ^ set(shapes)) or [k for k in wanted if wanted[k] != tuple(shapes[k])]
+            raise CheckpointError(f"the model its card describes ({self.model} with {arguments}) does not have "
+                                  f"the weights the file holds (first difference: {extra[0]}); the card does not "
+                                  f"belong to these weights")
+        tensors = itertools.chain(planned.parameters(), planned.buffers())
+        size = sum(t.numel() * t.element_size() for t in tensors if not is_lazy(t))
+        bound = MODEL_BYTES_PER_FILE_BYTE * file_bytes + MODEL_BYTES_SLACK
+        if size > bound and not trusted:
+            raise CheckpointError(f"the model its card describes ({self.model} with {arguments}) would take "
+                                  f"{size / 2**20:,.0f} MiB in parameters and buffers, more than "
+                                  f"{MODEL_BYTES_PER_FILE_BYTE} times its {file_bytes / 2**20:,.1f} MiB file plus "
+                                  f"{MODEL_BYTES_SLACK // 2**20} MiB: the card does not belong to these weights (if "
+                                  f"you trust this file, pass --trust-code)")
 
     def prepare(self):
         """The Preprocessing of image files for this model; refused where the data was not images."""

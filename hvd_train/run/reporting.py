@@ -7,12 +7,13 @@ import json
 import logging
 import math
 import os
+import secrets
 import time
 
 import psutil
 
 import hvd_utils
-from hvd_train.run.directory import atomic_write, reported_write, write_json
+from hvd_train.run.directory import append_line, atomic_write, reported_write, write_json
 from hvd_train.schedule import batching
 
 log = logging.getLogger("hvd_train")
@@ -42,7 +43,10 @@ class Reporter:
             if self.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(self.dir.tensorboard, purge_step=self.purge_step)
+                # A suffix no one can guess: TensorBoard names its event files by time, host and pid, which a
+                # run directory prepared by someone else could hold links for.
+                self.writer = SummaryWriter(self.dir.tensorboard, purge_step=self.purge_step,
+                                            filename_suffix=f".{secrets.token_hex(8)}")
                 self.purge_step = None  # once: a writer started later (elastic) must not hide newer points
         elif not enabled:
             self.close()
@@ -59,8 +63,7 @@ class Reporter:
         for tracker in self.trackers:
             tracker.epoch(record, committed)
         with reported_write(self.jsonl):
-            with open(self.jsonl, "a") as f:
-                f.write(_line(record))
+            append_line(self.jsonl, _line(record))
         if self.writer is not None:
             for key, value in record.items():
                 if key != "epoch" and isinstance(value, (int, float)) and math.isfinite(value):
@@ -93,7 +96,7 @@ class Reporter:
                            title="validation accuracy" if percent else "validation metrics")
             axes[0][1].legend()
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100), binary=True)
         plt.close(fig)
         return path
 

@@ -20,7 +20,7 @@ import sys
 import time
 from importlib import metadata
 
-from hvd_train.uris import redact, split_credentials
+from hvd_train.uris import redact, redact_argument, split_credentials
 
 log = logging.getLogger("hvd_train")
 
@@ -194,7 +194,7 @@ class WandbTracker(Tracker):
         run_id = self.run_id or secrets.token_hex(4)  # W&B's ids: short, lowercase
         # W&B records the process's command line in the run's metadata: it sees it with its URIs redacted.
         argv = sys.argv
-        sys.argv = [redact(a) if "://" in a else a for a in argv]
+        sys.argv = [redact_argument(a) for a in argv]
         try:
             self.run = wandb.init(mode="offline", dir=cfg.run.output_dir, project=cfg.logging.wandb_project,
                                   name=run_name(cfg), id=run_id, resume="allow",

@@ -22,11 +22,14 @@ import torch
 from torch.utils.data import default_collate
 
 from hvd_train.data import DataError
+from hvd_train.data.shard_index import ShardSet
+from hvd_train.data.shards import first_batch
 from hvd_train.config import config_from_dict
 from hvd_train.errors import CheckpointError, ConfigError, say
 from hvd_train.tools.inference import FORMATS, SIDECAR, export_runner, find_checkpoint, load_trained, outputs
 from hvd_train.run.directory import temporary_beside, write_json
 from hvd_train.trust import TRUST_FLAG, refuse_code_from
+from hvd_train.uris import redact_all
 
 # Suffix of each format's file, and its tolerance (absolute, relative): safetensors holds the weights themselves, so
 # the rebuilt model must agree exactly; TorchScript runs the same kernels; onnxruntime has kernels of its own.
@@ -96,8 +99,13 @@ def validation_batch(ckpt, model, count, data_dir, where, trusted):
     if count < 2:
         raise CheckpointError(f"the parity check needs 2 validation samples or more; {cfg.data.dataset} has "
                               f"{len(val_set)}")
-    images = model_input(model, task, default_collate([val_set[i] for i in range(count)]))
-    where = "" if cfg.data.dataset in ("digits", "synthetic") else f" ({cfg.data.data_dir})"  # (no files)
+    if isinstance(val_set, ShardSet):  # streamed: read from its first shards, as validation reads them
+        batch = first_batch(val_set, cfg.data.image_size, count)
+    else:
+        batch = default_collate([val_set[i] for i in range(count)])
+    images = model_input(model, task, batch)
+    where = "" if cfg.data.dataset in ("digits", "synthetic") else \
+        f" ({redact_all(cfg.data.val_shards) if isinstance(val_set, ShardSet) else cfg.data.data_dir})"
     return Batch(images, f"{count} validation samples of {cfg.data.dataset}{where}")
 
 
@@ -247,7 +255,7 @@ def write_safetensors(model, path):
 
 def parity(fmt, path, card, model, batch):
     """(max |exported - pytorch| over every output, whether within tolerance, top-1 agreement or None)."""
-    run = export_runner(path, fmt, card)
+    run = export_runner(path, fmt, card, trusted=True)  # the file just written, of a model already checked
     with torch.no_grad():
         expected = outputs(model(batch.images))
     got = run(batch.images)

@@ -16,6 +16,11 @@ SIDECAR = ".json"  # model.onnx -> model.onnx.json: the card and the parity chec
 SIDECAR_MAX_BYTES = 16 * 2**20  # a card with a class list of a million names fits in far less
 # Suffix of each format's file (hvd-train export writes these; predict checks a file is what its .json says).
 FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "onnx": ".onnx"}
+# What an ONNX model may allocate by default (onnx_memory_bound): per byte of its file, per byte of the batch's
+# input, and at least. ResNet-50 (100 MB) on 64 images of 224 px: about 3 GB; predict's --max-memory-mb sets it.
+ONNX_BYTES_PER_FILE_BYTE = 4
+ONNX_BYTES_PER_INPUT_BYTE = 64
+ONNX_MEMORY_FLOOR = 256 * 2**20
 
 
 def find_checkpoint(source):
@@ -42,7 +47,7 @@ def load_trained(source, trusted=False):
     weights = chosen_weights(ckpt)
     if not isinstance(weights, dict) or not all(torch.is_tensor(v) for v in weights.values()):
         raise CheckpointError(f"{path}: holds no model weights by name; give a checkpoint hvd-train wrote")
-    model = card.build({k: v.shape for k, v in weights.items()})
+    model = card.build({k: v.shape for k, v in weights.items()}, os.path.getsize(path), trusted)
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:
@@ -102,9 +107,10 @@ def file_format(path):
     return None
 
 
-def load_runner(path, trusted=False):
+def load_runner(path, trusted=False, max_memory=None):
     """(a function batch -> list of output tensors, the ModelCard) for a checkpoint, a run directory or an export
-    (model.safetensors, model.torchscript.pt, model.onnx, each with its .json beside it). trusted: --trust-code."""
+    (model.safetensors, model.torchscript.pt, model.onnx, each with its .json beside it). trusted: --trust-code;
+    max_memory: the bytes an ONNX model may take (default: onnx_memory_bound)."""
     if os.path.isfile(path) and os.path.isfile(path + SIDECAR):
         meta = read_sidecar(path)
         card = ModelCard.from_dict(meta, path + SIDECAR)
@@ -115,19 +121,19 @@ def load_runner(path, trusted=False):
                                   f"{held or 'none of safetensors, torchscript, onnx'} and is named for "
                                   f"{next((f for f, x in FORMATS.items() if path.endswith(x)), 'none of them')}; "
                                   f"the .json does not belong to this file: export the model again")
-        return export_runner(path, fmt, card), card
+        return export_runner(path, fmt, card, trusted, max_memory), card
     model, card, _ = load_trained(path, trusted)
     return _eager(model), card
 
 
-def export_runner(path, fmt, card):
+def export_runner(path, fmt, card, trusted=False, max_memory=None):
     """A function batch -> list of output tensors for the export at `path` in format `fmt` of the model `card`
-    describes."""
+    describes. trusted: --trust-code; max_memory: as load_runner's."""
     if fmt == "safetensors":
         from safetensors.torch import load_file
 
         weights = load_file(path)
-        model = card.build({k: v.shape for k, v in weights.items()})
+        model = card.build({k: v.shape for k, v in weights.items()}, os.path.getsize(path), trusted)
         model.load_state_dict(weights)
         return _eager(model)
     if fmt == "torchscript":
@@ -136,7 +142,7 @@ def export_runner(path, fmt, card):
             model = torch.jit.load(path, map_location="cpu").eval()
         return _eager(model)
     if fmt == "onnx":
-        return onnx_runner(path)
+        return onnx_runner(path, max_memory)
     raise CheckpointError(f"{path + SIDECAR}: unknown export format {fmt!r}")
 
 
@@ -147,12 +153,25 @@ def _eager(model):
     return run
 
 
-def onnx_runner(path):
-    import onnxruntime
+def onnx_memory_bound(file_bytes, batch_bytes):
+    """What an ONNX model may take by default: its weights (in the file) several times over, room for the
+    activations of the batch it is given, and a floor for onnxruntime's own buffers."""
+    return ONNX_BYTES_PER_FILE_BYTE * file_bytes + ONNX_BYTES_PER_INPUT_BYTE * batch_bytes + ONNX_MEMORY_FLOOR
 
-    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
+
+def onnx_runner(path, max_memory=None):
+    """batch -> list of output tensors, from onnxruntime in a process of its own whose allocations are capped
+    (tools/onnx_session.py) at max_memory bytes, or by default at onnx_memory_bound of the first batch."""
+    from hvd_train.tools.onnx_session import Session
+
+    session = None
 
     def run(batch):
-        return [torch.from_numpy(y) for y in session.run(None, {name: batch.numpy()})]
+        nonlocal session
+        try:
+            if session is None:
+                session = Session(path, max_memory or onnx_memory_bound(os.path.getsize(path), batch.nbytes))
+            return [torch.from_numpy(y) for y in session.run(batch.numpy())]
+        except RuntimeError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     return run

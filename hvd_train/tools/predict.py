@@ -35,12 +35,17 @@ def parse_args(argv):
     p.add_argument("images", nargs="+", help="image files, or folders whose image files (recursively) are read")
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.add_argument("--max-memory-mb", type=int, default=None, metavar="MB",
+                   help="memory an ONNX model may take (default: 4 times its file plus 64 times a batch's input, at "
+                   "least 256 MB): an ONNX graph says what to allocate, and is data")
     p.add_argument(TRUST_FLAG, action="store_true", dest="trust_code",
                    help="let the checkpoint or export name code (your own model as an import path); a model file "
                    "is data otherwise (docs/reliability.md: What is code and what is data)")
     args = p.parse_args(argv)
     if args.top_k < 1:
         p.error(f"--top-k {args.top_k}: must be 1 or more")
+    if args.max_memory_mb is not None and not 1 <= args.max_memory_mb <= 2**30:
+        p.error(f"--max-memory-mb {args.max_memory_mb}: give a number of megabytes from 1 up")
     return args
 
 
@@ -72,7 +77,7 @@ def load_images(files, preprocessing):
 
 
 def predict(args):
-    run, card = load_runner(args.model, args.trust_code)
+    run, card = load_runner(args.model, args.trust_code, args.max_memory_mb and args.max_memory_mb * 2**20)
     if card.task != "classification":
         raise InputError(f"{args.model}: a {card.task} model; predict gives the classes of a classifier")
     preprocessing = card.prepare()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "horovod"))
 import build_horovod  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,8 +151,9 @@ def test_shm_allreduce_patch_adds_the_header_and_routes_mpi_sums_through_it(tmp_
     fake_sdist(tmp_path)
     build_horovod.apply_patches(tmp_path, 20)
     read = lambda rel: (tmp_path / rel).read_text()  # noqa: E731
-    # The build carries the same header the bench times (bench/mpi_allreduce.c includes scripts/shm_allreduce.h).
-    assert read(build_horovod.SHM_ALLREDUCE_FILE) == (ROOT / "scripts" / "shm_allreduce.h").read_text()
+    # The build carries the same header the bench times (bench/mpi_allreduce.c includes
+    # scripts/horovod/shm_allreduce.h).
+    assert read(build_horovod.SHM_ALLREDUCE_FILE) == (ROOT / "scripts" / "horovod" / "shm_allreduce.h").read_text()
     ops = read("horovod/common/ops/mpi_operations.cc")
     assert '#include "hvdt_shm_allreduce.h"' in ops and "hvdt_shm_allreduce(shm, " in ops
     assert ops.index("HvdtShmFor(mpi_context") < ops.index("op = MPI_Allreduce(")  # MPI only where shm is null

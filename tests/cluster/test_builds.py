@@ -24,7 +24,7 @@ import mpis  # noqa: E402  (install.sh's PyPI MPI pins and default, read from in
 
 # One worker builds each variant once (the fixtures are per module, and make test runs files side by side).
 pytestmark = [pytest.mark.build, pytest.mark.distributed, pytest.mark.timeout(2400), pytest.mark.xdist_group("builds")]
-BUILD = ROOT / "scripts" / "build_horovod.py"
+BUILD = ROOT / "scripts" / "horovod" / "build_horovod.py"
 
 
 def run(cmd, env=None, timeout=2000, **kw):

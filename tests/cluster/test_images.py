@@ -8,6 +8,7 @@ hvd-train-base:bookworm for later runs; everything else the tests make (images, 
 also when a test fails.
 """
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -297,7 +298,7 @@ def test_the_gpu_image_has_nccl_mpi_and_gloo(gpu_image):
 def test_the_gpu_image_runs_the_acceptance_scripts_cpu_side_offline(gpu_image, tmp_path):
     # What a GPU node with no network does first: the carried sdist, the image's own torch, the NCCL build found
     # installed (the image keeps no CUDA compiler) and listed by horovodrun --check-build.
-    sdist = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_horovod.py"), "--print-sdist"],
+    sdist = subprocess.run([sys.executable, str(ROOT / "scripts" / "horovod" / "build_horovod.py"), "--print-sdist"],
                            capture_output=True, text=True, timeout=600, check=True).stdout.strip().splitlines()[-1]
     out = writable_dir(tmp_path / "out")
     proc = docker("run", "--rm", "--network", "none", "-v", f"{sdist}:/carried/{os.path.basename(sdist)}:ro",
@@ -308,3 +309,38 @@ def test_the_gpu_image_runs_the_acceptance_scripts_cpu_side_offline(gpu_image, t
     assert "PASS  Horovod with NCCL against this machine's torch (offline)" in log, log[-3000:]
     assert "PASS  horovodrun --check-build lists NCCL" in log and "SKIP  GPU tests (--no-gpu)" in log
     assert "Horovod is already installed from this build" in proc.stdout
+
+
+DOCKER_RUNNABLE = re.compile(r"<!-- runnable with docker -->\n```bash\n(.*?)```", re.DOTALL)
+README_TAGS = ("hvd-train:cpu", "hvd-train:gpu")  # what docker/README.md's commands name
+
+
+def image_id(tag):
+    proc = docker("image", "inspect", "--format", "{{.Id}}", tag, check=False)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def test_the_docker_readmes_commands_run_as_written(cpu_image, gpu_image, base_image):
+    # After the two builds above, from the same Dockerfiles, base and CA: the README's builds come from the cache.
+    # The base is the environment's default (HVD_BASE_IMAGE) where python:3.11-slim-bookworm cannot be had; the tags
+    # the README names are given back to the images they named before.
+    blocks = DOCKER_RUNNABLE.findall((ROOT / "docker" / "README.md").read_text())
+    assert len(blocks) >= 2, "docker/README.md's build commands are marked runnable"
+    env = dict(os.environ, HVD_BASE_IMAGE=base_image)
+    if os.path.exists(CA_BUNDLE):
+        env.setdefault("HVD_CA_BUNDLE", CA_BUNDLE)
+    before = {tag: image_id(tag) for tag in README_TAGS}
+    output = ""
+    try:
+        for block in blocks:
+            proc = subprocess.run(["bash", "-e", "-c", block], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=3600)
+            assert proc.returncode == 0, f"{block}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            output += proc.stdout
+    finally:
+        for tag, was in before.items():
+            if was:
+                docker("tag", was, tag, check=False)
+            else:
+                docker("rmi", tag, check=False)
+    assert all(f"[X] {x}" in output for x in ("PyTorch", "NCCL", "MPI", "Gloo")), output[-3000:]

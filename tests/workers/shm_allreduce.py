@@ -17,7 +17,7 @@ import sys
 import horovod.torch as hvd
 import torch
 
-BLOCK = 1024 * 1024  # scripts/shm_allreduce.h's HVDT_SHM_BLOCK_BYTES
+BLOCK = 1024 * 1024  # scripts/horovod/shm_allreduce.h's HVDT_SHM_BLOCK_BYTES
 TYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "int32": torch.int32,
          "int64": torch.int64, "float16": torch.float16}
 

@@ -2,7 +2,11 @@
 
 Run with the python whose torch Horovod is built for (scripts/install.sh does):
 
-    .venv/bin/python scripts/build_horovod.py [--gpu] [--no-mpi] [--sdist PATH] [--offline] [--force]
+    .venv/bin/python scripts/horovod/build_horovod.py [--gpu] [--no-mpi] [--sdist PATH] [--offline] [--force]
+    .venv/bin/python scripts/horovod/build_horovod.py --plan [--gpu] [--no-mpi]   # what would be built, nothing else
+
+Everything the build reads from this checkout is in this folder (scripts/horovod/): this script and the sources it
+adds to Horovod's. The Docker images copy the folder whole into the layer that builds Horovod.
 
 Horovod's last release (0.28.1) predates PyTorch 2.1 and does not build against it as released. This script takes
 the sdist (downloaded from PyPI once and kept in the cache, or given with --sdist), makes the few edits it needs,
@@ -586,9 +590,10 @@ SHM_ALLREDUCE_FILE = "horovod/common/ops/hvdt_shm_allreduce.h"
 
 def shm_allreduce_patches():
     """Horovod's MPI allreduce through memory the ranks share, where all ranks of the process set are on one node
-    (scripts/shm_allreduce.h says why and how): float32, float64, bfloat16, int32 and int64 sums and averages; other
-    types and reductions, tensors on GPUs, and ranks on several nodes keep to MPI_Allreduce. HVD_TRAIN_SHM_ALLREDUCE=0
-    on any rank turns it off for the job. The timeline names the activity SHM_ALLREDUCE instead of MPI_ALLREDUCE."""
+    (shm_allreduce.h beside this script says why and how): float32, float64, bfloat16, int32 and int64 sums and
+    averages; other types and reductions, tensors on GPUs, and ranks on several nodes keep to MPI_Allreduce.
+    HVD_TRAIN_SHM_ALLREDUCE=0 on any rank turns it off for the job. The timeline names the activity SHM_ALLREDUCE
+    instead of MPI_ALLREDUCE."""
     why = "allreduce through shared memory on one node"
     edits = [
         ("horovod/common/mpi/mpi_context.h", "namespace horovod {\nnamespace common {\n",
@@ -1171,6 +1176,22 @@ def plan_build(args, info):
     return BuildPlan(gpu=True, mpi=not args.no_mpi, toolkit=toolkit, archs=tuple(archs))
 
 
+def show_plan(args, info, request):
+    """--plan: everything up to the cache key, offline. It reads every file the build reads besides the sdist and a
+    CUDA toolkit, so a folder that lacks one of them (an image layer that copied too little) fails here, in seconds."""
+    log(f"request {request}")
+    edited = dict.fromkeys(rel for rel, _old, _new, _why in patches(info["cxx_standard"]))
+    log(f"patches {len(edited)} of Horovod's files: {', '.join(edited)}")
+    for rel, text, why in added_files():
+        log(f"adds {rel} ({len(text)} characters: {why})")
+    try:
+        plan = plan_build(argparse.Namespace(**dict(vars(args), offline=True)), info)
+    except SystemExit as stop:  # die(): a GPU plan needs a toolkit, which the real build may still download
+        log(f"build key: not known offline{str(stop.code).replace('build_horovod.py: error', '')}")
+        return
+    log(f"build key {build_key(info, plan)}")
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu", action="store_true", help="build NCCL GPU operations")
@@ -1185,6 +1206,8 @@ def parse_args():
     parser.add_argument("--python", help="ignored: the python running this script is the one built for")
     parser.add_argument("--wheel-only", action="store_true", help="build (or find in the cache) the wheel and print "
                         "its path, without installing it")
+    parser.add_argument("--plan", action="store_true", help="print the build's request, the files it patches and "
+                        "adds, and its cache key, then exit: offline, nothing compiled or installed")
     parser.add_argument("--print-cache-dir", action="store_true", help="print where wheels are cached and exit")
     parser.add_argument("--print-sdist", action="store_true", help="print the cached sdist's path (fetching it "
                         "unless --offline) and exit")
@@ -1202,6 +1225,9 @@ def main():
 
     info = torch_info()
     request = build_request(args, info)
+    if args.plan:
+        show_plan(args, info, request)
+        return
     installed, installed_request = installed_stamp()
     if not args.force and not args.wheel_only and installed_request == request and horovod_importable():
         log(f"Horovod is already installed from this build ({installed})")
