@@ -33,9 +33,9 @@ def read_state_dict(path):
         # torch.save's zip archive only: the legacy format (torch before 1.6) allocates each tensor at the size the
         # file declares before reading it, and a compressed member inflates in memory.
         if not zipfile.is_zipfile(path):
-            raise ConfigError(f"--init-from {path}: not a zip archive as torch.save writes (a file cut short, another "
-                              f"format, or torch's pre-1.6 format: load and save it again with a current torch); "
-                              f"{expected}")
+            raise ConfigError(f"--init-from {path}: cannot be read as weights: not a zip archive as torch.save "
+                              f"writes (a file cut short, another format, or torch's pre-1.6 format: load and save "
+                              f"it again with a current torch); {expected}")
         unbounded = unbounded_members(path)
         if unbounded:
             raise ConfigError(f"--init-from {path}: {unbounded}; it is refused unread")

@@ -128,6 +128,8 @@ def load_recipe(path, known_only=False):
     except RecursionError:  # PyYAML composes nested values recursively
         raise ConfigError(f"--config {path}: its values nest hundreds of levels deep; a recipe is sections of "
                           f"settings (configs/digits_cnn.yaml)") from None
+    except ConfigError:  # a key or section written twice, an alias: already one line naming the file
+        raise
     except ValueError as e:  # a value YAML cannot build: an integer past Python's 4300 digits
         why = "an integer of more than 4300 digits, far past any setting" if "digits" in str(e) else \
             str(e).splitlines()[0][:200]

@@ -85,6 +85,35 @@ def epoch_files(directory):
     return numbered_files(directory, EPOCH_FILE)
 
 
+def damage(path):
+    """Why the checkpoint file at `path` cannot be resumed from, or None: cut short (no whole zip archive), or a
+    member whose bytes no longer match their checksum (every member is read)."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return "cut short: not a whole zip archive"
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+        return f"its member {bad} fails its checksum" if bad else None
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        return f"unreadable ({e})"
+
+
+def newest_intact(directory):
+    """(the newest checkpoint in `directory` that is whole, or None; [(path, why) of each newer one passed over]).
+    Newest first: last.pt, then the checkpoints taken within an epoch (they outlive only the newest epoch's), then
+    the epochs'."""
+    candidates = [os.path.join(directory, LAST_CHECKPOINT), *numbered_files(directory, STEP_FILE)[::-1],
+                  *epoch_files(directory)[::-1]]
+    passed_over = []
+    for path in candidates:
+        if os.path.isfile(path):
+            why = damage(path)
+            if why is None:
+                return path, passed_over
+            passed_over.append((path, why))
+    return None, passed_over
+
+
 def snapshot(obj):
     """A copy of a checkpoint's contents in host memory: every tensor copied (from the GPU, or cloned), the
     containers rebuilt, so that training can change the originals while a thread writes the copy."""

@@ -16,6 +16,7 @@ file or the new one, never half of one.
 import contextlib
 import errno
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -23,7 +24,7 @@ import tempfile
 from hvd_train.errors import CheckpointError
 from hvd_train.run.lock import RunLock
 
-
+log = logging.getLogger("hvd_train")
 # The checkpoints that stand for a run: the newest (what --resume auto continues) and the best by the task's metric
 # (what evaluation, export and predict use).
 LAST_CHECKPOINT, BEST_CHECKPOINT = "last.pt", "best.pt"
@@ -57,11 +58,21 @@ class RunDir:
         return os.path.join(self.checkpoints, name)
 
     def resolve(self, resume):
-        """The checkpoint named by --resume: a path, or `auto` for checkpoints/last.pt (None when there is none yet,
-        so a job script can always pass --resume auto)."""
+        """The checkpoint named by --resume: a path, or `auto` for the newest intact checkpoint in checkpoints/
+        (last.pt, else the newest whole one beside it, named in one line with why the newer ones were passed over;
+        None when there is none yet, so a job script can always pass --resume auto). A path is taken as given."""
         if resume == "auto":
-            last = self.last_checkpoint
-            return last if os.path.isfile(last) else None
+            from hvd_train.run.checkpoint import newest_intact  # it writes through this module: imported late
+
+            path, passed_over = newest_intact(self.checkpoints)
+            if passed_over:
+                skipped = "; ".join(f"{os.path.relpath(p, self.root)} ({why})" for p, why in passed_over)
+                if path is None:
+                    raise CheckpointError(f"--resume auto: no checkpoint in {self.checkpoints} is whole: {skipped}; "
+                                          f"pass --overwrite to start again, or --resume a checkpoint you have")
+                log.warning("--resume auto: passed over %s; resuming from %s, the newest whole checkpoint", skipped,
+                            os.path.relpath(path, self.root))
+            return path
         if not os.path.isfile(resume):
             raise CheckpointError(f"--resume {resume}: no such file")
         return resume

@@ -152,6 +152,38 @@ def test_a_corrupt_checkpoint_is_named(tmp_path, app):
     assert_refused(app("--output-dir", tmp_path / "out", "--resume", bad), f"{bad}: not a checkpoint, or one cut short")
 
 
+def cut_short(path):
+    """`path` replaced by a copy of its first half, as a copy or write stopped halfway leaves it (a new file: the
+    hard links beside it keep the whole one)."""
+    data = path.read_bytes()
+    path.unlink()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def test_resume_auto_passes_over_a_damaged_last_checkpoint_names_it_and_resume_path_stays_strict(tmp_path, app):
+    run = tmp_path / "run"
+    assert app("--output-dir", run, "--epochs", "3").returncode == 0
+    cut_short(run / "checkpoints" / "last.pt")
+    result = app("--output-dir", run, "--epochs", "4", "--resume", "auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in (result.stdout + result.stderr).splitlines() if "passed over" in line]
+    assert len(said) == 1 and "checkpoints/last.pt (cut short: not a whole zip archive)" in said[0], said
+    assert "resuming from checkpoints/epoch_0003.pt, the newest whole checkpoint" in said[0]
+    assert "resuming after epoch 3" in result.stdout and epochs_in(run) == [1, 2, 3, 4]
+    cut_short(run / "checkpoints" / "last.pt")
+    assert_refused(app("--output-dir", tmp_path / "other", "--resume", run / "checkpoints" / "last.pt"),
+                   "not a checkpoint, or one cut short")
+
+
+def test_resume_auto_with_no_whole_checkpoint_is_refused_naming_each(tmp_path, app):
+    run = tmp_path / "run"
+    assert app("--output-dir", run, "--epochs", "1").returncode == 0
+    for path in (run / "checkpoints").glob("*.pt"):
+        cut_short(path)
+    assert_refused(app("--output-dir", run, "--epochs", "2", "--resume", "auto"), "no checkpoint in",
+                   "is whole", "checkpoints/last.pt (cut short", "checkpoints/epoch_0001.pt (cut short")
+
+
 def test_checkpoints_every_few_minutes_follow_rank_0_s_clock(tmp_path, app, monkeypatch):
     # The clock the saves read, made to run 20 s a step: with --checkpoint.every_minutes 1 a checkpoint follows every
     # third step or so, at steps rank 0's clock chose, and the last one is an epoch's end.
