@@ -57,16 +57,24 @@ def an_image(path, size=8):
     return str(path)
 
 
+# Runs a command and writes its peak resident set (its own, and the largest of the processes it waited for). From
+# a small interpreter: a process forked from this one would count this one's resident set as its own at exec.
+MEASURE = ("import os, subprocess, sys\n"
+           "proc = subprocess.Popen(sys.argv[2:])\n"
+           "_, status, usage = os.wait4(proc.pid, 0)\n"
+           "open(sys.argv[1], 'w').write(str(usage.ru_maxrss * 1024))\n"
+           "code = os.waitstatus_to_exitcode(status)\n"
+           "sys.exit(code if code >= 0 else 128 - code)\n")
+
+
 def peak_of_command(cmd, tmp_path, env=None):
-    """(exit code, output, peak resident bytes) of `cmd` run to its end: the largest resident set of the process
-    and of every process it waited for, as the kernel accounts it."""
-    log = tmp_path / f"command-{len(list(tmp_path.glob('command-*')))}.log"
+    """(exit code, output, peak resident bytes) of `cmd` run to its end."""
+    n = len(list(tmp_path.glob("command-*.log")))
+    log, peak = tmp_path / f"command-{n}.log", tmp_path / f"command-{n}.peak"
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**job_env(), **(env or {})})
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, log.read_text(), usage.ru_maxrss * 1024
+        proc = subprocess.run([sys.executable, "-c", MEASURE, str(peak), *map(str, cmd)], stdout=out,
+                              stderr=subprocess.STDOUT, cwd=ROOT, env={**job_env(), **(env or {})}, timeout=600)
+    return proc.returncode, log.read_text(), int(peak.read_text())
 
 
 def predict_command(*args):
