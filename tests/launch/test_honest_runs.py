@@ -111,21 +111,21 @@ def interrupted(proc, log, *signums):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("launcher,target,signum,workers", [
-    ("horovodrun-gloo", "group", signal.SIGINT, 0),   # Ctrl-C in a terminal: the whole foreground group
-    ("horovodrun-mpi", "launcher", signal.SIGINT, 0),  # kill -INT <horovodrun's pid>, as the README says
-    ("horovodrun-mpi", "launcher", signal.SIGTERM, 0),
-    ("mpirun", "launcher", signal.SIGTERM, 0),
-    ("single", "group", signal.SIGINT, 0),
+@pytest.mark.parametrize("launcher,target,signum", [
+    ("horovodrun-gloo", "group", signal.SIGINT),   # Ctrl-C in a terminal: the whole foreground group
+    ("horovodrun-mpi", "launcher", signal.SIGINT),  # kill -INT <horovodrun's pid>, as the README says
+    ("horovodrun-mpi", "launcher", signal.SIGTERM),
+    ("mpirun", "launcher", signal.SIGTERM),
+    ("single", "group", signal.SIGINT),
 ])
-def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_path, launcher, target, signum, workers):
+def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_path, launcher, target, signum):
     run, log = tmp_path / "run", tmp_path / "log"
     np = 1 if launcher == "single" else 2
     with open(log, "w") as out:
         # OpenMPI's mpirun passes its SIGTERM on to the ranks after OMPI_MCA_odls_base_sigkill_timeout seconds and
         # kills them as long after it: 1 s by default, which a checkpoint at the next step may need more than on a
         # busy machine.
-        proc = start(launcher, np, run, out, "--workers", workers, env={"OMPI_MCA_odls_base_sigkill_timeout": "3"})
+        proc = start(launcher, np, run, out, env={"OMPI_MCA_odls_base_sigkill_timeout": "3"})
         wait_for(lambda: len(finished_epochs(run)) >= 2 or proc.poll() is not None, "two epochs")
         (os.killpg if target == "group" else os.kill)(proc.pid, signum)
         # What docs/reliability.md says: one process reports the signal and exits 128 + it; horovodrun and
