@@ -1,6 +1,7 @@
 """Data sets, the train/validation split and the per-rank loaders. No Horovod here: ranks are arguments."""
 import functools
 import multiprocessing
+import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from hvd_train.data.errors import BadSampleError, DataError
 from hvd_train.data.preprocessing import Preprocessing, class_names
 from hvd_train.data.samplers import ShardSampler, rest_of_epoch
 from hvd_train.data.split import split_indices
+from hvd_train.data.workers import stop_signals_from
 
 __all__ = ["CHOICES", "DATASETS", "FROM_FILES",
            "BadSampleError", "DataError", "DataInfo", "LoaderSpec", "build_loaders",
@@ -144,7 +146,7 @@ def build_loaders(train_set, val_set, spec, rank, world_size, train_sampler=None
     # the training process's stream (dropout) by a draw whenever persistent workers start, which a resumed run does
     # at another epoch than the run it continues.
     common = dict(num_workers=spec.workers, pin_memory=spec.pin_memory, persistent_workers=spec.workers > 0,
-                  multiprocessing_context=_worker_context(spec.workers),
+                  multiprocessing_context=_worker_context(spec.workers), worker_init_fn=stop_signals_from(os.getpid()),
                   generator=torch.Generator().manual_seed(spec.seed))
     # Each training sample's random transforms are seeded from (seed, epoch, index): the same with any number of
     # workers and after a resume (data/augment.py).

@@ -20,6 +20,7 @@ exactly the samples, in the same order, that one that never stopped reads, and n
 """
 import io
 import json
+import os
 import random
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from hvd_train.data.augment import derived_seed, seed_all
 from hvd_train.data.errors import UNREADABLE_IMAGE, BadSampleError
 from hvd_train.data.images import as_mode
 from hvd_train.data.shard_index import by_worker, check_plan, deal, open_location, train_plan, unreachable
+from hvd_train.data.workers import stop_signals_from
 
 IMAGE_KEYS = ("png", "jpg", "jpeg", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
 
@@ -257,7 +259,7 @@ class ShardLoader:
         # Its own generator: the loader's seed draw leaves the training process's random numbers (dropout) alone.
         self.loader = DataLoader(self.stream, batch_size=None, num_workers=spec.workers, pin_memory=spec.pin_memory,
                                  persistent_workers=spec.workers > 0, multiprocessing_context=context,
-                                 generator=torch.Generator().manual_seed(spec.seed))
+                                 worker_init_fn=stop_signals_from(os.getpid()), generator=torch.Generator().manual_seed(spec.seed))
         self.set_epoch(1)
 
     def set_epoch(self, epoch):

@@ -6,7 +6,7 @@ parts and differs only in where the claim, the broadcast and fit happen: inside 
 """
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -24,7 +24,8 @@ from hvd_train.regularize import Mixing, weight_average
 from hvd_train.run.reporting import finish as write_summary, log_rescale, log_setup
 from hvd_train.run.directory import RunDir, write_config
 from hvd_train.run.saves import StepSaves
-from hvd_train.run.state import AfterEpoch, RunState, checkpoint_fits, outputs_for, read_checkpoint
+from hvd_train.run.state import (AfterEpoch, RunState, checkpoint_fits, outputs_for, read_checkpoint,
+                                 restore_rank_buffers)
 from hvd_train.schedule import LRSchedule, batching
 from hvd_train.run.tracking import open_trackers
 from hvd_train.weights import freeze_configured
@@ -108,6 +109,7 @@ class Run:
     run_dir: RunDir
     state: RunState
     resumed_from: Optional[str] = None
+    rank_buffers: dict = field(default_factory=dict)  # each rank's BatchNorm statistics, where the checkpoint has them
     outputs: object = None  # set by fit(): checkpointer, reporter
 
 
@@ -122,12 +124,12 @@ def claim(cfg, rt, info, trainer):
     resume_from = hvd_utils.decide_on_root(lambda: run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite),
                                            "output_dir")
     with run_dir.lock:
-        state = RunState()
+        state, rank_buffers = RunState(), {}
         if resume_from:  # refused on every rank before anything is written
-            read_checkpoint(resume_from, trainer, state, checkpoint_fits(cfg, info, trainer.task))
+            rank_buffers = read_checkpoint(resume_from, trainer, state, checkpoint_fits(cfg, info, trainer.task))
         elif cfg.checkpoint.resume:
             log.info("--resume auto: no checkpoint in %s yet, starting afresh", run_dir.checkpoints)
-        yield Run(cfg, rt, info, trainer, run_dir, state, resume_from)
+        yield Run(cfg, rt, info, trainer, run_dir, state, resume_from, rank_buffers)
 
 
 def fit(run, loaders):
@@ -137,6 +139,8 @@ def fit(run, loaders):
     train_loader, val_loader, sampler = loaders
     if trainer.ema is not None and not run.resumed_from:  # the average starts from the weights every rank now holds
         trainer.ema.restart(trainer.model)
+    if run.rank_buffers:
+        restore_rank_buffers(trainer, run.rank_buffers, state.partial)
     run.outputs = outputs = outputs_for(cfg, run.info, trainer.task, rt.is_main, state, run.run_dir)
     attach_profiler(trainer, cfg, rt, run.run_dir)  # --profile: recording starts in the directory this run owns
     outputs.reporter.track(open_trackers(cfg, rt, state))  # MLflow, W&B: on rank 0

@@ -5,6 +5,7 @@ their gradients and optimizer state, are not: the helpers here hand Horovod thos
 the results back in the tensors' own.
 """
 import contextlib
+import hashlib
 
 import horovod.torch as hvd
 import torch
@@ -195,3 +196,43 @@ def average_buffers(model):
                for name, buf in model.named_buffers() if buf.is_floating_point()]
     for handle in handles:
         hvd.synchronize(handle)
+
+
+def buffers_by_rank(module, name):
+    """Each rank's floating-point buffers that differ from rank 0's, in rank order, on every rank: [{}, {name: CPU
+    tensor}, ...]; [] where every rank holds rank 0's. A collective.
+
+    Between two average_buffers calls each rank's BatchNorm statistics are its own, updated from its own samples; a
+    checkpoint taken then keeps these beside rank 0's (which the model's state holds) so that a resumed run goes on
+    from each rank's own, as a run that never stopped does. Only digests travel where they agree (no BatchNorm,
+    SyncBatchNorm, or just after an average)."""
+    if hvd.size() == 1:
+        return []
+    own = {n: b.detach() for n, b in module.named_buffers() if b.is_floating_point()}
+    digests = hvd.allgather_object({n: _digest(b) for n, b in own.items()}, name=f"{name}.digests")
+    if all(d == digests[0] for d in digests):
+        return []
+    mine = {n: b.cpu().clone() for n, b in own.items() if digests[hvd.rank()][n] != digests[0][n]}
+    return hvd.allgather_object(mine, name=f"{name}.buffers")
+
+
+def restore_buffers_by_rank(module, by_rank):
+    """After the broadcast of rank 0's state: this rank's own buffers from buffers_by_rank's list where as many ranks
+    run as wrote it; on another number of ranks every rank takes the writers' average (rank 0's included), the
+    statistics average_buffers would have given them. Returns whether it was the average."""
+    if not by_rank:
+        return False
+    buffers = dict(module.named_buffers())
+    if len(by_rank) == hvd.size():
+        for n, value in by_rank[hvd.rank()].items():
+            buffers[n].copy_(value)
+        return False
+    for n in {n for entry in by_rank for n in entry}:
+        # Rank 0's own (every rank holds it now) where a writer's agreed with it.
+        values = [entry[n].double() if n in entry else buffers[n].detach().double().cpu() for entry in by_rank]
+        buffers[n].copy_(torch.stack(values).mean(0))
+    return True
+
+
+def _digest(tensor):
+    return hashlib.sha1(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()

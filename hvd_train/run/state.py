@@ -257,6 +257,10 @@ class AfterEpoch:
         if t.ema is not None:
             payload.update(ema=t.ema.state_dict(), weights=weights or "model",
                            model_card={**self.out.card, "weights": weights or "model"})
+        if partial is not None:  # within an epoch the ranks' BatchNorm statistics are each their own (a collective)
+            payload["rank_buffers"] = {"model": hvd_utils.buffers_by_rank(t.model, "model_buffers"),
+                                       "ema": hvd_utils.buffers_by_rank(t.ema.module, "ema_buffers")
+                                       if t.ema is not None else []}
         return payload
 
     def write(self, epoch, record, payload, is_best):
@@ -318,6 +322,20 @@ def read_checkpoint(path, trainer, state, fits):
     state.load(meta)
     state.resumed(path, hvd_utils.world_size(), meta.get("world_size"))
     say_schedule_change(trainer.schedule, meta.get("planned_epochs"), meta["epoch"])
+    return meta.get("rank_buffers") or {}
+
+
+def restore_rank_buffers(trainer, rank_buffers, partial):
+    """After the broadcast of rank 0's state, each rank's own BatchNorm statistics (of the model and of the
+    average) from a checkpoint taken within an epoch; on another number of ranks than wrote it, their average,
+    said in one line."""
+    averaged = hvd_utils.restore_buffers_by_rank(trainer.model, rank_buffers.get("model"))
+    if trainer.ema is not None:
+        averaged = hvd_utils.restore_buffers_by_rank(trainer.ema.module, rank_buffers.get("ema")) or averaged
+    if averaged:
+        log.info("the checkpoint was taken within epoch %d on %d ranks, whose BatchNorm statistics differ: each of "
+                 "the %d ranks now goes on from their average", partial["epoch"], partial["world_size"],
+                 hvd_utils.world_size())
 
 
 def say_schedule_change(schedule, planned, epoch):

@@ -32,16 +32,8 @@ def _finite_history(summary):
 
 
 def _load_on_cpu(path):
-    """A checkpoint read onto the CPU (the test process makes no CUDA context of its own), and a function giving
-    the device each of its tensors was saved from."""
-    saved_on = {}
-
-    def on_cpu(storage, location):
-        saved_on[storage.data_ptr()] = location
-        return storage
-
-    ckpt = torch.load(path, map_location=on_cpu, weights_only=True)
-    return ckpt, lambda tensor: saved_on.get(tensor.untyped_storage().data_ptr())
+    """A checkpoint read onto the CPU (the test process makes no CUDA context of its own)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 @RANKS
@@ -83,9 +75,22 @@ def test_the_default_recipe_on_the_gpu_reaches_the_cpu_tests_accuracy_bar(tmp_pa
     s = read_json(tmp_path / "summary.json")
     assert (s["device"], s["tensor_ops"], s["epochs"], len(s["history"])) == ("cuda:0", "NCCL", 15, 15)
     assert s["best_val_acc1"] >= 97.0 and s["final_val_acc1"] >= 97.0  # the bar of test_every_launcher_trains.py
-    ckpt, saved_on = _load_on_cpu(tmp_path / "checkpoints" / "last.pt")
-    assert {saved_on(t) for t in ckpt["model"].values()} == {"cuda:0"}  # where the weights trained
-    assert {saved_on(t) for state in ckpt["optimizer"]["state"].values() for t in state.values()} == {"cuda:0"}
+    _continues_on_the_gpu(tmp_path, 16)
+
+
+def _continues_on_the_gpu(run, epochs, *args):
+    """The weights trained on the GPU come back onto it: `--resume auto` to `epochs` trains one more epoch there.
+    (The checkpoint's tensors themselves are host copies: the background writer copies them off the GPU so that
+    training goes on while it writes.)"""
+    before = read_json(run / "summary.json")
+    launch("single", 1, TRAIN, "--device", "cuda", "--output-dir", run, "--resume", "auto", "--epochs", epochs,
+           *args, *QUIET)
+    s = read_json(run / "summary.json")
+    assert s["device"] == "cuda:0" and len(s["history"]) == epochs and _finite_history(s)
+    # It continued the run, not a new one: the epochs before are the first run's.
+    assert [(h["epoch"], h["val_loss"]) for h in s["history"][:-1]] == [(h["epoch"], h["val_loss"])
+                                                                        for h in before["history"]]
+    assert s["resumes"] and s["resumes"][-1]["epoch"] == epochs - 1
 
 
 def test_fp16_amp_with_the_gradient_scaler_and_clipping_trains_the_digits(tmp_path):
@@ -96,7 +101,7 @@ def test_fp16_amp_with_the_gradient_scaler_and_clipping_trains_the_digits(tmp_pa
     assert s["device"] == "cuda:0" and _finite_history(s)
     # A scaler whose gradients reached the clipping still scaled would barely move the weights.
     assert s["final_val_acc1"] >= 85.0
-    scaler = _load_on_cpu(tmp_path / "checkpoints" / "last.pt")[0]["scaler"]
+    scaler = _load_on_cpu(tmp_path / "checkpoints" / "last.pt")["scaler"]
     assert scaler and scaler["scale"] > 0 and scaler["_growth_tracker"] >= 0  # the scaler ran and was saved
 
 
@@ -148,12 +153,14 @@ def test_channels_last_with_bf16_trains_resnet18_and_benchmarks(tmp_path):
     assert "amp bf16, channels-last" in proc.stdout
     s = read_json(tmp_path / "run" / "summary.json")
     assert s["device"] == "cuda:0" and _finite_history(s) and s["best_val_acc1"] >= 80.0
-    ckpt, saved_on = _load_on_cpu(tmp_path / "run" / "checkpoints" / "last.pt")
+    ckpt = _load_on_cpu(tmp_path / "run" / "checkpoints" / "last.pt")
     # Kernels of more than one input channel and pixel: a 1x1 kernel (ResNet's downsample) is contiguous in both
     # layouts at once, so only the others tell channels-last apart.
     convs = [w for w in ckpt["model"].values() if w.dim() == 4 and w.shape[1] > 1 and w.shape[2] * w.shape[3] > 1]
-    assert convs and {saved_on(w) for w in convs} == {"cuda:0"}
-    assert all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in convs)
+    assert convs and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in convs)
+
+    _continues_on_the_gpu(tmp_path / "run", 3, "--model", "resnet18", "--image-size", "16", "--amp", "bf16",
+                          "--channels-last")
 
     launch("single", 1, TRAIN, "--benchmark", "--model", "resnet18", "--image-size", "64", "--batch-size", "32",
            "--amp", "bf16", "--channels-last", "--num-warmup-batches", "2", "--num-iters", "3",

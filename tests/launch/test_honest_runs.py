@@ -111,21 +111,27 @@ def interrupted(proc, log, *signums):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("launcher,target,signum", [
-    ("horovodrun-gloo", "group", signal.SIGINT),   # Ctrl-C in a terminal: the whole foreground group
-    ("horovodrun-mpi", "launcher", signal.SIGINT),  # kill -INT <horovodrun's pid>, as the README says
-    ("horovodrun-mpi", "launcher", signal.SIGTERM),
-    ("mpirun", "launcher", signal.SIGTERM),
-    ("single", "group", signal.SIGINT),
+@pytest.mark.parametrize("launcher,target,signum,workers", [
+    ("horovodrun-gloo", "group", signal.SIGINT, 0),   # Ctrl-C in a terminal: the whole foreground group
+    ("horovodrun-mpi", "launcher", signal.SIGINT, 0),  # kill -INT <horovodrun's pid>, as the README says
+    ("horovodrun-mpi", "launcher", signal.SIGTERM, 0),
+    ("mpirun", "launcher", signal.SIGTERM, 0),
+    ("single", "group", signal.SIGINT, 0),
+    # With loader workers, which the launchers' signals reach too (the ranks' process groups): they must not die
+    # of it before the ranks have agreed on a step and saved.
+    ("horovodrun-gloo", "launcher", signal.SIGTERM, 2),
+    ("horovodrun-mpi", "launcher", signal.SIGTERM, 2),
+    ("mpirun", "launcher", signal.SIGTERM, 2),
+    ("horovodrun-gloo", "group", signal.SIGINT, 2),
 ])
-def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_path, launcher, target, signum):
+def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_path, launcher, target, signum, workers):
     run, log = tmp_path / "run", tmp_path / "log"
     np = 1 if launcher == "single" else 2
     with open(log, "w") as out:
         # OpenMPI's mpirun passes its SIGTERM on to the ranks after OMPI_MCA_odls_base_sigkill_timeout seconds and
         # kills them as long after it: 1 s by default, which a checkpoint at the next step may need more than on a
         # busy machine.
-        proc = start(launcher, np, run, out, env={"OMPI_MCA_odls_base_sigkill_timeout": "3"})
+        proc = start(launcher, np, run, out, "--workers", workers, env={"OMPI_MCA_odls_base_sigkill_timeout": "3"})
         wait_for(lambda: len(finished_epochs(run)) >= 2 or proc.poll() is not None, "two epochs")
         (os.killpg if target == "group" else os.kill)(proc.pid, signum)
         # What docs/reliability.md says: one process reports the signal and exits 128 + it; horovodrun and

@@ -5,24 +5,33 @@ Resumes of one feature (shards, plug-ins, tracking, compile, channels-last, SLUR
 import os
 import re
 import shutil
+import signal
+import subprocess
 
 import pytest
 import torch
 
-from conftest import (QUIET, TRAIN, WORKERS, assert_refused, epochs_in, last_checkpoint, launch, read_json, run_app,
-                      tensorboard_steps, train_here)
+from conftest import (QUIET, ROOT, TRAIN, WORKERS, assert_refused, epochs_in, job_env, last_checkpoint, launch,
+                      launch_command, read_json, run_app, tensorboard_steps, train_here, wait_for)
+
+
+# The small CNN has dropout and no BatchNorm; timm's resnet10t has BatchNorm, whose running statistics each rank
+# updates from its own samples until the epoch's end averages them: a checkpoint within an epoch keeps every rank's.
+MODELS = pytest.mark.parametrize("model", [(), ("--model", "timm/resnet10t", "--image-size", "16")],
+                                 ids=["dropout", "batchnorm"])
 
 
 @pytest.mark.distributed
-def test_resuming_is_bitwise_exact_from_an_epoch_s_end_and_from_within_an_epoch(tmp_path):
-    # Warmup (half an epoch), then a step decay at epoch 2, momentum and dropout: every piece of state matters. So do
-    # the seeded draws of augmentation (RandAugment, erasing) in loader workers, of mixup/CutMix, and the weight
-    # average.
+@MODELS
+def test_resuming_is_bitwise_exact_from_an_epoch_s_end_and_from_within_an_epoch(tmp_path, model):
+    # Warmup (half an epoch), then a step decay at epoch 2, momentum and dropout or BatchNorm: every piece of state
+    # matters. So do the seeded draws of augmentation (RandAugment, erasing) in loader workers, of mixup/CutMix, and
+    # the weight average (whose BatchNorm statistics are each rank's too).
     # The resumed run stops twice: at the end of epoch 1, and killed (SIGKILL, every rank and its loader workers)
     # right after the checkpoint of run step 30, the 8th of epoch 2's 22 (one every 10 steps).
     common = ["--lr-schedule", "step", "--optim.lr_milestones", "2", "--warmup-epochs", "0.5", "--model-ema",
               "--model-ema-warmup", "--mixup", "0.4", "--cutmix", "1.0", "--aa", "rand-m7-mstd0.5", "--reprob", "0.3",
-              "--workers", "2", "--checkpoint.every_steps", "10", *QUIET]
+              "--workers", "2", "--checkpoint.every_steps", "10", *model, *QUIET]
     launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "straight", "--epochs", "3", *common)
     launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "1", *common)
     killed = launch("mpirun", 2, WORKERS / "killed_after_save.py", "30", "--", "--output-dir", tmp_path / "resumed",
@@ -60,9 +69,50 @@ def test_resuming_is_bitwise_exact_from_an_epoch_s_end_and_from_within_an_epoch(
                   *common)
     assert ("resumed within epoch 2: epoch 2 continues after its step 8: the samples it had not trained, dealt out "
             "anew among 1 rank(s) (none read twice)") in proc.stdout
+    averaged = ("the checkpoint was taken within epoch 2 on 2 ranks, whose BatchNorm statistics differ: each of the "
+                "1 ranks now goes on from their average")
+    assert (averaged in proc.stdout) == bool(model), proc.stdout[-2000:]
     history = read_json(tmp_path / "on-one-rank" / "summary.json")["history"]
     # 1,438 samples: 2 ranks x 8 steps x 32 read before, and the 926 left make 28 full batches of 32 on one rank.
     assert [h["epoch"] for h in history] == [1, 2] and history[1]["train_count"] == 512 + 28 * 32
+
+
+@pytest.mark.distributed
+def test_a_run_stopped_by_sigterm_under_horovodrun_with_loader_workers_resumes_bitwise(tmp_path):
+    # torchvision's ResNet-18 (BatchNorm), two loader workers a rank (which horovodrun's SIGTERM reaches too),
+    # horovodrun over Gloo: `kill -TERM <horovodrun's pid>` just after a checkpoint within epoch 2. The ranks agree on
+    # a step, rank 0 saves there, the run stops; resumed, it ends where a run that never stopped ends, bit for bit.
+    # A step schedule: its rates do not depend on --epochs, so the stopped run can plan 300 and the other stop
+    # where it stopped.
+    common = ["--model", "resnet18", "--image-size", "16", "--workers", "2", "--lr-schedule", "step",
+              "--optim.lr_milestones", "2", "--checkpoint.every_steps", "5", *QUIET]
+    run, log = tmp_path / "stopped", tmp_path / "log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(launch_command("horovodrun-gloo", 2, [str(TRAIN), "--output-dir", str(run),
+                                                                      "--epochs", "300", *common]),
+                                cwd=ROOT, env=job_env(), stdout=out, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            wait_for(lambda: proc.poll() is not None or any(
+                int(p.stem.split("_")[1]) > 22 for p in (run / "checkpoints").glob("step_*.pt")), "epoch 2")
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            proc.kill()
+    output = log.read_text()
+    assert proc.returncode in (143, 137) and "DataLoader worker" not in output, output[-3000:]
+    assert "every rank saves a checkpoint at its next step" in output, output[-3000:]
+    stopped = last_checkpoint(run)
+    # The epoch it stopped within (or, where the step it saved at ended an epoch, the next), trained to its end.
+    epoch = stopped["partial"]["epoch"] if stopped["partial"] else stopped["epoch"] + 1
+    launch("horovodrun-gloo", 2, TRAIN, "--output-dir", run, "--resume", "auto", "--epochs", epoch, *common)
+    launch("horovodrun-gloo", 2, TRAIN, "--output-dir", tmp_path / "straight", "--epochs", epoch, *common)
+    straight, resumed = last_checkpoint(tmp_path / "straight"), last_checkpoint(run)
+    assert straight["step"] == resumed["step"]
+    for name, value in straight["model"].items():
+        assert torch.equal(value, resumed["model"][name]), f"{name} differs after resuming"
+    for key, state in straight["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"], resumed["optimizer"]["state"][key]["momentum_buffer"])
 
 
 @pytest.mark.distributed

@@ -1,0 +1,58 @@
+"""What every loader worker does first: leave the stop signals to the training process that owns it.
+
+A signal that asks a job to stop (SIGTERM from horovodrun, mpirun or a scheduler, SIGUSR1 as SLURM's warning, a
+terminal's SIGINT) is sent to a process group, to every process of a job step, or to every descendant of a launcher,
+and so reaches the loader workers too. A worker that dies of it ends the training process's next fetch with
+"DataLoader worker exited unexpectedly" before the ranks have agreed on a step and saved. So a worker takes those
+signals itself, on a thread of its own (sigwaitinfo, which tells who sent each), and passes over any that does not
+come from the training process; the training process alone decides what a stop means
+(hvd_train/guards/interrupt.py).
+
+The training process does end its workers with SIGTERM (torch's DataLoader when it shuts down, multiprocessing's
+terminate()): a worker obeys those at once, as torch's own worker handler does.
+
+Under the forkserver context (data/__init__.py) a worker's parent is the server, and torch's watchdog ends a worker
+whose parent is gone: the server must outlive a stop signal too. It imports this module (its preload), and ignores
+them from then on; it ends when the training process does (multiprocessing closes its pipe).
+"""
+import functools
+import os
+import signal
+import sys
+import threading
+
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+
+
+def stop_signals_from(owner):
+    """A DataLoader worker_init_fn for the loaders of process `owner` (os.getpid() of the training process; under
+    the forkserver context a worker's parent is the server, not it)."""
+    return functools.partial(_take_stop_signals, owner)
+
+
+def _take_stop_signals(owner, _worker_id=None):
+    # Blocked on this thread before any other starts: the threads started later (the waiter, any the data set
+    # starts) inherit the mask, so only the waiter ever takes these signals.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    threading.Thread(target=_wait_for_stop_signals, args=(owner,), name="stop-signals", daemon=True).start()
+
+
+def _wait_for_stop_signals(owner):
+    while True:
+        info = signal.sigwaitinfo(STOP_SIGNALS)
+        if info.si_pid in (owner, os.getppid()):  # ended by the process that runs it: at once, as torch's handler
+            os._exit(0)
+
+
+def _imported_by_a_forkserver():
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "main" and frame.f_globals.get("__name__") == "multiprocessing.forkserver":
+            return True
+        frame = frame.f_back
+    return False
+
+
+if _imported_by_a_forkserver():  # its children, the workers, inherit this until they take the signals themselves
+    for _signum in STOP_SIGNALS:
+        signal.signal(_signum, signal.SIG_IGN)
