@@ -12,6 +12,7 @@ bench/results/<date>.json and .md and prints the table.
     python bench/run.py --sections recipe   # plain vs default augmentation vs the full recipe, and timm's loop
     python bench/run.py --sections checkpoint   # the training step's stall per checkpoint, in the step vs background
     python bench/run.py --sections shard   # --shard-optimizer (ZeRO-1) against the whole state on every rank
+    python bench/run.py --sections memory  # each rank's resident memory in training runs with checkpoints, sharded
 """
 import argparse
 import datetime
@@ -31,7 +32,7 @@ from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row
 PY = sys.executable
 BIN = os.path.dirname(PY)
 SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "mpi", "tuning", "compile", "accuracy", "data",
-            "recipe", "checkpoint", "shard")
+            "recipe", "checkpoint", "shard", "memory")
 APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
 APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
 # Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
@@ -556,6 +557,38 @@ def section_shard(b):
                       [x[1] / 2**20 for x in whole], unit="MB"),
             ratio_row(f"training rate, {setting}", compared, ">= 0.9", [x[2] for x in sharded],
                       [x[2] for x in whole])]
+
+
+def section_memory(b):
+    """Each rank's resident memory in a training run that checkpoints, --shard-optimizer against the whole state
+    on every rank: a transformer-like MLP (bench/mlp.py, 34M parameters at 32 px) and ViT-B/16 (86M, at 64 px),
+    AdamW, 2 ranks under horovodrun --gloo, 2 epochs of synthetic data with a checkpoint at each end (rank 0 writes
+    them). Per model, sharded / whole, alternated: the resident set after the first epoch's steps (training's own:
+    weights, gradients, optimizer state, activations) and the peak, on rank 0 (which gathers the state to write it)
+    and on rank 1."""
+    models = [("small_cnn", 28, 8)] if b.args.quick else [("bench.mlp:build", 32, 16),
+                                                          ("timm/vit_base_patch16_224", 64, 4)]
+    rows = []
+    for model, size, batch in models:
+        def one(shard):
+            out = b.out("memory")
+            run(horovodrun(2, "gloo") + [
+                "train_hvd.py", "--dataset", "synthetic", "--model", model, "--image-size", str(size),
+                "--data.synthetic_samples", str(8 * batch), "--batch-size", str(batch), "--epochs", "2",
+                "--opt", "adamw", "--output-dir", out, "--logging.progress", "false", "--logging.tensorboard",
+                "false", "--logging.plot", "false", *(["--shard-optimizer"] if shard else [])], job_env())
+            with open(os.path.join(out, "summary.json")) as f:
+                return [(m["training_rss_bytes"] / 2**20, m["peak_rss_bytes"] / 2**20)
+                        for m in json.load(f)["memory_by_rank"]]
+
+        sharded, whole = b.alternate(lambda: one(True), lambda: one(False))
+        setting = f"{model} {size}px batch {batch} x 2 ranks, AdamW, 2 checkpoints"
+        compared = "sharded / whole state on every rank"
+        for rank in (0, 1):
+            for k, what in ((0, "training RSS"), (1, "peak RSS")):
+                rows.append(ratio_row(f"{what}, rank {rank}, {setting}", compared, "< 1",
+                                      [x[rank][k] for x in sharded], [x[rank][k] for x in whole], unit="MB"))
+    return rows
 
 
 def mean_sd(values):

@@ -99,11 +99,23 @@ def settle(cfg, rt):
                           "cannot average gradients on their GPUs; rebuild it with `scripts/install.sh --gpu`, or "
                           "train on the CPUs with --device cpu")
     torch.manual_seed(cfg.run.seed + rt.rank)  # different dropout per rank; the weights come from rank 0
+    warn_of_many_workers(cfg.data.workers, rt)
     # (An elastic worker checks alone: one that joins later must not run a collective outside Horovod's loop.)
     if cfg.horovod.elastic:
         check_writable(cfg.run.output_dir, tidy=False)
     else:
         hvd_utils.decide_on_root(lambda: check_writable(cfg.run.output_dir), "output_dir_check")
+
+
+def warn_of_many_workers(workers, rt):
+    """More loader workers than this rank's share of the host's usable cores: said in one line by rank 0 (they
+    only take turns on those cores, each with its own memory)."""
+    cores = hvd_utils.usable_cpus()
+    share = max(1, cores // rt.local_size)
+    if workers > share and rt.is_main:
+        log.warning("warning: --workers %d: more loader workers than the %d core(s) each rank has here (%d usable, "
+                    "%d rank(s) on this host); they take turns on them, each holding its own memory: --workers %d "
+                    "is as many as run at once", workers, share, cores, rt.local_size, share)
 
 
 def measures(cfg):
@@ -126,18 +138,43 @@ def leave_it_to_rank_0(error):
     say(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: error: {error}")
 
 
+def refused(error):
+    """A setting refused (exit 2). Before Horovod started, the ranks of a fixed job agree on it first (the others
+    stop at the same point, in hvd_utils.start); rank 0 alone says it."""
+    if not hvd_utils.started() and hvd_utils.launched_size() > 1 and not under_elastic_launcher():
+        try:
+            hvd_utils.start(refusal=str(error))
+        except hvd_utils.SettingsRefused as agreed:
+            return say_refusal(agreed)
+    if hvd_utils.launcher_rank() == 0:
+        say(f"train_hvd.py: error: {error}")
+    elif not hvd_utils.started():  # an elastic worker: alone until Horovod's loop
+        leave_it_to_rank_0(error)
+    return 2
+
+
+def say_refusal(agreed):
+    """Rank 0 says the refusal every rank agreed on, naming the rank that made it where that is not rank 0."""
+    if hvd_utils.rank() == 0:
+        where = f"rank {agreed.rank}: " if agreed.rank else ""
+        say(f"train_hvd.py: {where}error: {agreed.message}")
+    return 2
+
+
 def guarded(run):
     """run() with every failure reported once, as the command line and hvd_train.run() do; returns the exit code."""
     code = 1
     try:
         code = run()
-    except (ConfigError, DataError, CheckpointError, NonFiniteLossError) as e:
+    except ConfigError as e:
+        code = refused(e)
+    except hvd_utils.SettingsRefused as e:  # another rank refused its settings (hvd_utils.start)
+        code = say_refusal(e)
+    except (DataError, CheckpointError, NonFiniteLossError) as e:
         # Raised on every rank at the same point (checked on all, or sent from rank 0), so none waits on another;
         # rank 0 alone says it. Exit 2: a setting or a file to fix; 3: the training diverged.
         if hvd_utils.launcher_rank() == 0:
             say(f"train_hvd.py: error: {e}")
-        elif not hvd_utils.started():
-            leave_it_to_rank_0(e)
         code = 3 if isinstance(e, NonFiniteLossError) else 2
     except BadSampleError as e:
         # Met by this rank alone, mid-epoch: it names the file; the other ranks stop as their peer is gone.

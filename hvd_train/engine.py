@@ -96,6 +96,11 @@ class Hooks:
         if self.saves is not None:
             self.saves.after_step(epoch, step, steps, sums)
 
+    def steps_done(self):
+        """An epoch's steps are done, before its validation and checkpoint."""
+        if self.state is not None:
+            self.state.note_training_memory()
+
     def epoch_end(self, epoch, record):
         """After every epoch, on every rank; true ends training there."""
         return bool(self.on_epoch_end(epoch, record)) if self.on_epoch_end is not None else False
@@ -266,6 +271,7 @@ def fit(trainer, train_loader, val_loader, hooks, first_epoch=1):
         lr = trainer.schedule.lr(hooks.position(epoch, 0, max(1, len(train_loader))))
         start = time.perf_counter() - hooks.carried_seconds(epoch)
         train_sums = train_one_epoch(trainer, train_loader, epoch, hooks)
+        hooks.steps_done()
         first = hooks.state.first_loss if hooks.state is not None else None
         record = close_epoch(trainer, train_sums, val_loader, EpochTiming(epoch, lr, start, first))
         if hooks.epoch_end(epoch, record):

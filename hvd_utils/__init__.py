@@ -5,20 +5,22 @@ Each function also works in a single process (hvd.size() == 1), so a plain `pyth
 from hvd_utils.comm import allreduce_average
 from hvd_utils.metrics import (allreduce_sums, fingerprints_by_rank, gather_floats, gather_objects,
                                params_fingerprint, sum_across_ranks)
-from hvd_utils.optim import (apply_gradients, average_buffers, broadcast_state, buffers_by_rank, clip_gradients, distributed_optimizer,
-                             lr_scale, optimizer_state_bytes, restore_buffers_by_rank, sync_batch_norm,
-                             unscale_gradients)
+from hvd_utils.optim import (apply_gradients, average_buffers, broadcast_state, buffers_by_rank, checkpoint_state,
+                             clip_gradients, distributed_optimizer, lr_scale, optimizer_state_bytes,
+                             restore_buffers_by_rank, sync_batch_norm, unscale_gradients)
 from hvd_utils.rank0 import broadcast_module, decide_on_root
 from hvd_utils import timeline
 from hvd_utils.data import shard_sampler
 from hvd_utils.vote import StepVote
-from hvd_utils.runtime import (PeerFailure, Runtime, gpu_tensors_supported, init, launcher_rank, pin_to_local_rank,
-                               rank, run_on_local_root, shutdown, start, started, world_size)
+from hvd_utils.runtime import (PeerFailure, Runtime, SettingsRefused, gpu_tensors_supported, init, launched_size,
+                               launcher_rank, pin_to_local_rank, rank, run_on_local_root, shutdown, start, started,
+                               usable_cpus, world_size)
 
-__all__ = ["timeline", "PeerFailure", "Runtime", "gpu_tensors_supported", "init", "start", "pin_to_local_rank",
+__all__ = ["timeline", "PeerFailure", "Runtime", "SettingsRefused", "launched_size", "gpu_tensors_supported", "init",
+           "start", "pin_to_local_rank", "usable_cpus",
            "shard_sampler", "launcher_rank", "run_on_local_root", "shutdown", "started", "world_size",
            "lr_scale", "distributed_optimizer", "apply_gradients", "average_buffers", "broadcast_state",
-           "buffers_by_rank", "restore_buffers_by_rank",
+           "buffers_by_rank", "restore_buffers_by_rank", "checkpoint_state",
            "clip_gradients", "unscale_gradients", "optimizer_state_bytes",
            "sync_batch_norm", "decide_on_root", "broadcast_module", "rank", "allreduce_sums",
            "sum_across_ranks", "gather_floats", "gather_objects",

@@ -15,6 +15,14 @@ from hvd_utils.compression import wire_format
 from hvd_utils.zero import ShardedOptimizer
 
 
+def checkpoint_state(optimizer, root_rank=0):
+    """The optimizer's state for a checkpoint that root_rank writes (a collective): a sharded optimizer's is gathered
+    to that rank alone, so the others never hold the whole of it (None there); any other optimizer's state_dict()."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.state_dict(root_rank=root_rank)
+    return optimizer.state_dict()
+
+
 def lr_scale(world_size, batches_per_allreduce=1, use_adasum=False):
     """The learning-rate multiplier. Linear scaling rule (Goyal et al. 2017): the rate grows with the global
     batch, ranks x batches per allreduce. Adasum adapts to the number of ranks by itself, so only the local

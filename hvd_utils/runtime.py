@@ -123,14 +123,25 @@ def init(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, gloo_timeout_s=
     return pin_to_local_rank(cpu)
 
 
-def start(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, gloo_timeout_s=0.0):
+class SettingsRefused(Exception):
+    """Raised by start() on every rank of a job in which a rank refused its settings: `rank` (the lowest that did)
+    and its `message`."""
+
+    def __init__(self, rank, message):
+        super().__init__(message)
+        self.rank, self.message = rank, message
+
+
+def start(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, gloo_timeout_s=0.0, refusal=None):
     """Horovod: hvd.init(), with its tuning set first (it reads the environment once, here).
 
     fusion_threshold_mb and cycle_time_ms tune Horovod (see tuning_env); elastic runs too, since hvd-train's
     Horovod build no longer crashes when an elastic reset re-initialises with both set
     (scripts/horovod/build_horovod.py).
     gloo_timeout_s > 0 sets how long a Gloo collective waits for a peer (Horovod's default: 30 s), unless
-    HOROVOD_GLOO_TIMEOUT_SECONDS is set. cpu: the ranks train on CPUs even where GPUs are visible."""
+    HOROVOD_GLOO_TIMEOUT_SECONDS is set. cpu: the ranks train on CPUs even where GPUs are visible.
+
+    refusal: why this rank refused its settings (None where it did not); see agree_on_settings."""
     use_gpu = _uses_gpu(cpu)
     kind = launch_kind()
     cycle_chosen = bool(cycle_time_ms) or "HOROVOD_CYCLE_TIME" in os.environ
@@ -145,6 +156,28 @@ def start(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, gloo_timeout_s
         print(f"hvd-train: warning: started by an unrecognised launcher ({hvd.size()} ranks, none of "
               f"{', '.join(_RANK_VARS)} set), so Horovod's cycle time is {tuning['cycle_time_ms']:g} ms; pass "
               "--horovod.cycle_time_ms 1", file=sys.stderr)
+    agree_on_settings(refusal)
+
+
+def agree_on_settings(refusal):
+    """Right after hvd.init(), every rank of a fixed job says whether it refused its settings, and where one did
+    every rank raises SettingsRefused naming it: the job stops at once with one message (rank 0's), whether every
+    rank refused the same command line or one rank alone could not read a recipe on its host. (Without it a
+    refusing rank either spoke with the others or left rank 0 waiting for it.) An elastic worker runs no collective
+    outside Horovod's loop, so there each rank answers for itself."""
+    said = [refusal] if hvd.size() == 1 or os.environ.get("HOROVOD_ELASTIC") == "1" else \
+        hvd.allgather_object(refusal, name="settings_refused")
+    for rank, message in enumerate(said):
+        if message:
+            raise SettingsRefused(hvd.rank() if len(said) == 1 else rank, message)
+
+
+def launched_size():
+    """How many ranks the launcher started, as the environment says before hvd.init() (1 when it says nothing)."""
+    for var in _SIZE_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
 
 
 def pin_to_local_rank(cpu=False):

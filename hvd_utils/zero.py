@@ -184,10 +184,11 @@ class ShardedOptimizer:
     # ----------------------------------------------------------------------------------------------------------------
     # The state in its unsharded form: what the wrapped optimizer's own state_dict() would hold over the whole model.
 
-    def state_dict(self):
+    def state_dict(self, root_rank=None):
         """Gathered from every rank (a collective: every rank calls it). Per-element state (momentum, moments) comes
         back shaped like its parameter; per-step values (Adam's step) are repeated for each parameter, as torch
-        keeps them."""
+        keeps them. root_rank: gathered to that rank alone, which returns it; the others return None and never
+        hold more than their slices (a checkpoint, which one rank writes)."""
         self.follow_workers()
         inner = self.optimizer.state_dict()
         keys = []  # (group, key) of every per-element tensor, gathered in one call
@@ -196,8 +197,13 @@ class ShardedOptimizer:
             for key, values in own[i].items():
                 if all(_per_element(key, v, part.shape) for v, part in zip(values, g.parts)):
                     keys.append((i, key))
-        gathered = hvd.grouped_allgather([self.groups[i].joined(own[i][k]) for i, k in keys],
-                                         name="zero.state") if keys else []
+        slices = [self.groups[i].joined(own[i][k]) for i, k in keys]
+        if root_rank is not None:
+            gathered = [_gather_to(root_rank, t, f"zero.state.{n}") for n, t in enumerate(slices)]
+            if hvd.rank() != root_rank:
+                return None
+        else:
+            gathered = hvd.grouped_allgather(slices, name="zero.state") if keys else []
         full = {(i, k): self.groups[i].from_gathered(flat) for (i, k), flat in zip(keys, gathered)}
         state, param_groups, index = {}, [], 0
         live = iter(enumerate(self.groups))
@@ -273,6 +279,15 @@ class ShardedOptimizer:
         full = broadcast_state_dict(full, root_rank, "zero.state")
         self.loaded = None
         self.deal(full)
+
+
+def _gather_to(root_rank, tensor, name):
+    """Every rank's `tensor`, back to back in rank order, on root_rank alone (an alltoall in which every rank sends
+    all of it there and nothing elsewhere: Horovod has no gather); the other ranks get an empty tensor."""
+    splits = torch.zeros(hvd.size(), dtype=torch.int32)
+    splits[root_rank] = tensor.numel()
+    out = hvd.alltoall(tensor, splits=splits, name=name)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _per_element(key, value, shape):

@@ -24,7 +24,7 @@ from hvd_train.engine import Hooks, train_one_epoch
 from hvd_train.errors import ConfigError, NonFiniteLossError
 from hvd_train.plugins import is_import_path
 from hvd_train.tasks import samples_in
-from hvd_train.run.reporting import seconds_since_start
+from hvd_train.run.reporting import peak_rss_bytes, seconds_since_start
 from hvd_train.run.directory import RunDir, write_json
 from hvd_train.models import MODELS as SMALL_MODELS, is_channels_last
 
@@ -98,9 +98,7 @@ def peak_memory_bytes(device):
     """This process's peak memory so far: the GPU's allocations on a GPU, else the resident set's high-water mark."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KB on Linux
+    return peak_rss_bytes()
 
 
 def build_trainer(cfg, info, rt):

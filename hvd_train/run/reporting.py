@@ -121,6 +121,13 @@ def seconds_since_start():
     return time.time() - psutil.Process().create_time()
 
 
+def peak_rss_bytes():
+    """This process's resident set's high-water mark."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KB on Linux
+
+
 def build_summary(cfg, rt, task, state, lr, fingerprints, run_dir):
     """The run's headline figures and its full history, for summary.json."""
     history, last = state.history, state.history[-1]
@@ -225,12 +232,16 @@ def finish(cfg, rt, trainer, state, reporter):
     fingerprints = hvd_utils.fingerprints_by_rank(trainer.model)
     # The weights' average (--model-ema) too: the same updates of the same weights on every rank.
     averaged = hvd_utils.fingerprints_by_rank(trainer.ema.module) if trainer.ema is not None else None
+    memory = hvd_utils.gather_floats([peak_rss_bytes(), state.training_rss or 0], name="memory_by_rank")
     task, lr = trainer.task, cfg.optim.lr * trainer.schedule.lr_scale
     if rt.is_main:
         run_dir = reporter.dir
         summary = build_summary(cfg, rt, task, state, lr, fingerprints, run_dir)
         summary.update(regularisation(cfg, state, averaged))
         summary["params_in_sync"] = summary["params_in_sync"] and summary.get("ema_in_sync", True)
+        # Each rank's resident memory: its high-water mark, and what it held after its first epoch's steps.
+        summary["memory_by_rank"] = [{"peak_rss_bytes": int(peak), "training_rss_bytes": int(steady) or None}
+                                     for peak, steady in memory]
         path = run_dir.summary
         with reported_write(run_dir.curves):
             summary["curves_png"] = reporter.plot(state.history) if cfg.logging.plot else None

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import psutil
+
 import hvd_utils
 from hvd_train.guards import interrupt
 from hvd_train.run.checkpoint import VERSION, Checkpointer, read_into, rng_state, set_rng_state
@@ -46,6 +48,7 @@ class RunState:
     saved_within: Optional[dict] = None
     epoch_began: float = 0.0             # time.perf_counter() at the start of the epoch in progress
     saves: Optional[dict] = None         # checkpoints within epochs: how many, and how long training waited
+    training_rss: Optional[int] = None   # this process's resident bytes after its first epoch's steps
 
     CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "best_weights", "history",
                     "resumes", "first_loss", "tracking")
@@ -138,6 +141,13 @@ class RunState:
     def saved_step(self, position):
         """A checkpoint within an epoch is written: `position` as `partial` describes it."""
         self.saved_within = position
+
+    def note_training_memory(self):
+        """An epoch's steps are done: this process's resident memory then, kept for the first such epoch (training's
+        own, before any validation or checkpoint has added to it; freed memory is kept by malloc, so later it only
+        grows)."""
+        if self.training_rss is None:
+            self.training_rss = psutil.Process().memory_info().rss
 
     def set_elastic(self, figures):
         self.elastic = figures
@@ -250,7 +260,7 @@ class AfterEpoch:
         (hvd_train/run/saves.py)."""
         t = self.trainer
         rng = hvd_utils.gather_objects(rng_state(), "rng_states")  # every rank's, in rank order
-        payload = {"version": VERSION, "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+        payload = {"version": VERSION, "model": t.model.state_dict(), "optimizer": hvd_utils.checkpoint_state(t.optimizer),
                    "scaler": t.scaler.state_dict() if t.scaler else None, "config": self.cfg.to_dict(),
                    "world_size": hvd_utils.world_size(), "rng": rng, "wall_seconds": self.state.wall_seconds(),
                    "model_card": self.out.card, "partial": partial, **self.out.fits, **self.state.checkpoint_fields()}

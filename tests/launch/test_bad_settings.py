@@ -1,11 +1,14 @@
 """A bad setting, alone or under a launcher, stops the run before anything is written, with one message that names
 the value, says why and what to give instead; the launcher's ranks all stop and exit with that status. (Refusals of
 one feature's settings sit with that feature: recipes in unit/test_config.py, shards, plug-ins, fine-tuning, ...)"""
+import subprocess
+import sys
+
 import pytest
 
 from hvd_train.config import parse_config
 from hvd_train.errors import ConfigError
-from conftest import assert_refused, run_app
+from conftest import QUIET, ROOT, TRAIN, WORKERS, assert_refused, job_env, launch, run_app
 
 
 # (the arguments, what the one line says). RECIPE is a recipe with a misspelt key, EMPTY a folder with an empty class.
@@ -69,8 +72,34 @@ def test_a_refused_setting_under_horovodrun_is_one_line_and_the_ranks_exit_code(
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun-gloo"])
+def test_a_recipe_one_rank_alone_refuses_stops_the_job_at_once_with_rank_0_naming_it(tmp_path, launcher):
+    # Rank 1's copy of the recipe holds a type error, rank 0's is fine: rank 1 tells the others as Horovod starts,
+    # and the job stops there (it waited a minute for the launcher, then printed from rank 1 itself).
+    (tmp_path / "recipe0.yaml").write_text("optim:\n  lr: 0.05\n")
+    (tmp_path / "recipe1.yaml").write_text("optim:\n  lr: abc\n")
+    proc = launch(launcher, 2, WORKERS / "recipe_per_rank.py", "--config", tmp_path / "recipe{rank}.yaml",
+                  "--output-dir", tmp_path / "run", *QUIET, check=False)
+    line = assert_refused(proc, f"{tmp_path / 'recipe1.yaml'}: optim.lr: expected float, got str 'abc'")
+    assert line.startswith(("train_hvd.py: rank 1: error:", "[0]")) and "rank 1: error:" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.distributed
 def test_a_bad_setting_stops_both_ranks_under_mpirun_with_one_message(tmp_path):
     # Every rank parses the same command line and fails the same way; rank 0 alone says so.
     proc = run_app("mpirun", 2, "--output-dir", tmp_path / "run", "--epochs", "three", check=False)
     assert_refused(proc, "invalid int value: 'three'")
     assert not (tmp_path / "run").exists()
+
+
+def test_more_loader_workers_than_a_rank_s_cores_is_said_in_one_line(tmp_path):
+    # One usable core (as a batch system's binding gives it) and two loader workers: the run goes on, warned once.
+    cmd = ["taskset", "-c", "0", sys.executable, str(TRAIN), *QUIET, "--workers", "2", "--epochs", "1",
+           "--output-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    said = [line for line in output.splitlines() if "--workers 2: more loader workers than the 1 core(s) each rank "
+            "has here (1 usable, 1 rank(s) on this host)" in line]
+    assert len(said) == 1 and said[0].startswith("warning:"), output[-3000:]
