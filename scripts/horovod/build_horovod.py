@@ -145,6 +145,42 @@ def patches(cxx_standard):
          "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;",
          "the global process set's Gloo context ignored HOROVOD_GLOO_IFACE and bound to the address the "
          "hostname resolves to, so hosts whose names resolve to loopback aborted in hvd.init()"),
+        ("horovod/common/gloo/gloo_context.h",
+         "  bool reset_ = false;\n",
+         "  bool reset_ = false;\n"
+         "  // hvd-train: how many times this process's Gloo context was finalized, and the suffix that keeps each\n"
+         "  // later initialization's rendezvous keys apart from the ones before (see gloo_context.cc).\n"
+         "  int generation_ = 0;\n"
+         "  std::string generation_suffix_;\n",
+         "hvd.init() after hvd.shutdown(): the generation counter and suffix (see the next patches)"),
+        ("horovod/common/gloo/gloo_context.cc",
+         "  ctx = Rendezvous(HOROVOD_GLOO_GLOBAL_PREFIX,\n",
+         "  // hvd-train: hvd.init() after hvd.shutdown() in a fixed job rendezvoused under the keys of the first\n"
+         "  // init, which the launcher's store still held: a rank that read a peer's old address before the peer\n"
+         "  // wrote its new one connected to a closed port, and Gloo's IoException aborted the process. Each\n"
+         "  // later generation has keys of its own (every rank of a fixed job re-initializes as often; an elastic\n"
+         "  // job's driver resets its store for every round instead).\n"
+         "  generation_suffix_ = (!elastic && generation_ > 0) ? \"_generation_\" + std::to_string(generation_) : \"\";\n"
+         "  ctx = Rendezvous(HOROVOD_GLOO_GLOBAL_PREFIX + generation_suffix_,\n",
+         "hvd.init() after hvd.shutdown() under horovodrun --gloo aborted at random (connect: Connection "
+         "refused, from a peer's stale rendezvous key): each re-initialization rendezvouses under keys of its own"),
+        ("horovod/common/gloo/gloo_context.cc",
+         "  local_ctx = Rendezvous(HOROVOD_GLOO_LOCAL_PREFIX + hostname_,\n",
+         "  local_ctx = Rendezvous(HOROVOD_GLOO_LOCAL_PREFIX + hostname_ + generation_suffix_,\n",
+         "the same: the host's context"),
+        ("horovod/common/gloo/gloo_context.cc",
+         "  cross_ctx = Rendezvous(HOROVOD_GLOO_CROSS_PREFIX + std::to_string(local_rank),\n",
+         "  cross_ctx = Rendezvous(HOROVOD_GLOO_CROSS_PREFIX + std::to_string(local_rank) + generation_suffix_,\n",
+         "the same: the cross-host context"),
+        ("horovod/common/gloo/gloo_context.cc",
+         '  std::string process_set_suffix = "_process_set_hash_" + process_set_hash;\n',
+         '  std::string process_set_suffix =\n'
+         '      "_process_set_hash_" + process_set_hash + global_context.generation_suffix_;\n',
+         "the same: the process sets' contexts"),
+        ("horovod/common/gloo/gloo_context.cc",
+         "  local_ctx.reset();\n  reset_ = true;\n",
+         "  local_ctx.reset();\n  reset_ = true;\n  ++generation_;\n",
+         "the same: a finalized context counts a generation"),
         ("horovod/runner/driver/driver_service.py",
          "    else:\n        nics = get_local_interfaces(settings)\n    return nics",
          "    else:\n"

@@ -76,3 +76,12 @@ def test_every_rank_ends_training_with_identical_parameters(tmp_path, worker, la
     assert rank0.keys() == rank1.keys()
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), f"{name} differs between the ranks after training"
+
+
+def test_horovod_starts_again_after_shutdown_under_gloo_every_time(tmp_path):
+    # hvd.init() after hvd.shutdown() rendezvoused under the first init's keys, which horovodrun's store still held:
+    # a rank that read its peer's old address connected to a closed port and Gloo's exception aborted it (SIGABRT,
+    # "connect ... Connection refused"), within the first 50 cycles in every run before the build's patch.
+    out = tmp_path / "cycles.json"
+    launch("horovodrun-gloo", 2, WORKERS / "reinit_cycles.py", out, 150)
+    assert read_json(out) == {"cycles": 150, "sum": [2.0] * 4}
