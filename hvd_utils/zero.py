@@ -26,6 +26,12 @@ from hvd_utils.rank0 import broadcast_state_dict
 GATHERS_IN_FLIGHT = 4  # allgathers of buckets under way at once: their outputs are what the step holds extra
 
 
+class GatheredState(dict):
+    """A sharded optimizer's state dict: gathered into tensors of its own, which no training step touches, so a
+    checkpoint writer need not copy them before writing in the background (hvd_train/run/checkpoint.py)."""
+    written_as_is = True
+
+
 class ShardedOptimizer:
     """`optimizer` (built over the model's parameters, not stepped yet) turned into ZeRO-1: its parameter groups
     now hold this rank's slices, so its state covers 1/N of the weights. Used like hvd.DistributedOptimizer:
@@ -197,14 +203,19 @@ class ShardedOptimizer:
             for key, values in own[i].items():
                 if all(_per_element(key, v, part.shape) for v, part in zip(values, g.parts)):
                     keys.append((i, key))
-        slices = [self.groups[i].joined(own[i][k]) for i, k in keys]
-        if root_rank is not None:
-            gathered = [_gather_to(root_rank, t, f"zero.state.{n}") for n, t in enumerate(slices)]
-            if hvd.rank() != root_rank:
-                return None
-        else:
-            gathered = hvd.grouped_allgather(slices, name="zero.state") if keys else []
-        full = {(i, k): self.groups[i].from_gathered(flat) for (i, k), flat in zip(keys, gathered)}
+        # One key at a time, each gathered buffer dropped once laid out: the whole state is held once, not twice.
+        full = {}
+        for n, (i, k) in enumerate(keys):
+            part = self.groups[i].joined(own[i][k])
+            if root_rank is None:
+                full[(i, k)] = self.groups[i].from_gathered(hvd.allgather(part, name=f"zero.state.{n}"))
+            else:
+                gathered = _gather_to(root_rank, part, f"zero.state.{n}")
+                if hvd.rank() == root_rank:
+                    full[(i, k)] = self.groups[i].from_gathered(gathered)
+            del part
+        if root_rank is not None and hvd.rank() != root_rank:
+            return None
         state, param_groups, index = {}, [], 0
         live = iter(enumerate(self.groups))
         for group, params in zip(inner["param_groups"], self.params):
@@ -217,14 +228,14 @@ class ShardedOptimizer:
             per_param = [dict() for _ in params]
             for key, values in own[i].items():
                 value = values[0]
-                if (i, key) in full:
+                if (i, key) in full:  # views of a buffer made for this state dict alone: no copy needed
                     for d, t in zip(per_param, g.unflatten(full[(i, key)])):
-                        d[key] = t.clone()
+                        d[key] = t
                 else:
                     for d in per_param:
                         d[key] = value.clone() if torch.is_tensor(value) else value
             state.update({pid: d for pid, d in zip(ids, per_param) if d})
-        return {"state": state, "param_groups": param_groups}
+        return GatheredState(state=state, param_groups=param_groups)
 
     def state_of(self, g):
         """Group g's state: {key: [its value for each part]}; {} before the first step."""

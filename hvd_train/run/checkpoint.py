@@ -114,15 +114,20 @@ def newest_intact(directory):
     return None, passed_over
 
 
-def snapshot(obj):
-    """A copy of a checkpoint's contents in host memory: every tensor copied (from the GPU, or cloned), the
-    containers rebuilt, so that training can change the originals while a thread writes the copy."""
+def snapshot(obj, copy=True):
+    """A checkpoint's contents as torch saves them: the containers rebuilt as plain dicts, lists and tuples (what
+    torch.load(weights_only=True) reads back) and, where `copy`, every tensor copied into host memory (from the
+    GPU, or cloned) so that training can change the originals while a thread writes the copy. A part made for the
+    checkpoint alone (`written_as_is`: a sharded optimizer's gathered state, hvd_utils/zero.py) is not copied where
+    it is in host memory already (copying it held the whole state twice on rank 0)."""
     if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().to("cpu", copy=True) if copy is True or (copy and obj.device.type != "cpu") else obj
+    if copy and getattr(obj, "written_as_is", False):
+        copy = "off the host only"
     if isinstance(obj, dict):
-        return {key: snapshot(value) for key, value in obj.items()}
+        return {key: snapshot(value, copy) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(value) for value in obj)
+        return type(obj)(snapshot(value, copy) for value in obj)
     return obj
 
 
@@ -186,7 +191,7 @@ class Checkpointer:
         self.wait()  # one write at a time: the next save waits for the last
         last = os.path.join(self.directory, LAST_CHECKPOINT)
         if not self.background:
-            write(payload)
+            write(snapshot(payload, copy=False))
             if then is not None:
                 then()
             return last
