@@ -139,8 +139,9 @@ def leave_it_to_rank_0(error):
 
 
 def refused(error):
-    """A setting refused (exit 2). Before Horovod started, the ranks of a fixed job agree on it first (the others
-    stop at the same point, in hvd_utils.start); rank 0 alone says it."""
+    """A setting or a file refused (exit 2; 3: the training diverged), raised on every rank at the same point
+    (checked on all, or sent from rank 0), so none waits on another; rank 0 alone says it. Before Horovod started,
+    the ranks of a fixed job agree on it first (the others stop at the same point, in hvd_utils.start)."""
     if not hvd_utils.started() and hvd_utils.launched_size() > 1 and not under_elastic_launcher():
         try:
             hvd_utils.start(refusal=str(error))
@@ -150,7 +151,7 @@ def refused(error):
         say(f"train_hvd.py: error: {error}")
     elif not hvd_utils.started():  # an elastic worker: alone until Horovod's loop
         leave_it_to_rank_0(error)
-    return 2
+    return 3 if isinstance(error, NonFiniteLossError) else 2
 
 
 def say_refusal(agreed):
@@ -166,16 +167,10 @@ def guarded(run):
     code = 1
     try:
         code = run()
-    except ConfigError as e:
+    except (ConfigError, DataError, CheckpointError, NonFiniteLossError) as e:
         code = refused(e)
     except hvd_utils.SettingsRefused as e:  # another rank refused its settings (hvd_utils.start)
         code = say_refusal(e)
-    except (DataError, CheckpointError, NonFiniteLossError) as e:
-        # Raised on every rank at the same point (checked on all, or sent from rank 0), so none waits on another;
-        # rank 0 alone says it. Exit 2: a setting or a file to fix; 3: the training diverged.
-        if hvd_utils.launcher_rank() == 0:
-            say(f"train_hvd.py: error: {e}")
-        code = 3 if isinstance(e, NonFiniteLossError) else 2
     except BadSampleError as e:
         # Met by this rank alone, mid-epoch: it names the file; the other ranks stop as their peer is gone.
         say(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: error: {e}")
