@@ -259,7 +259,8 @@ class ShardLoader:
         # Its own generator: the loader's seed draw leaves the training process's random numbers (dropout) alone.
         self.loader = DataLoader(self.stream, batch_size=None, num_workers=spec.workers, pin_memory=spec.pin_memory,
                                  persistent_workers=spec.workers > 0, multiprocessing_context=context,
-                                 worker_init_fn=stop_signals_from(os.getpid()), generator=torch.Generator().manual_seed(spec.seed))
+                                 worker_init_fn=stop_signals_from(os.getpid()),
+                                 generator=torch.Generator().manual_seed(spec.seed))
         self.set_epoch(1)
 
     def set_epoch(self, epoch):

@@ -154,8 +154,8 @@ def app_output(output):
 
 def assert_refused(result, *needles):
     """The app refused: exit 2 (under horovodrun too, which names the rank and passes its code on), exactly one
-    `train_hvd.py: error:` (or `train_hvd.py: rank N: error:`) line in the whole output (every rank stopped, rank 0 alone said why) holding every
-    needle, and no traceback, of the app or of the launcher. Returns that line."""
+    `train_hvd.py: error:` (or `train_hvd.py: rank N: error:`) line in the whole output (every rank stopped, rank 0
+    alone said why) holding every needle, and no traceback, of the app or of the launcher. Returns that line."""
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     assert "Traceback" not in output, output[-3000:]

@@ -260,7 +260,8 @@ class AfterEpoch:
         (hvd_train/run/saves.py)."""
         t = self.trainer
         rng = hvd_utils.gather_objects(rng_state(), "rng_states")  # every rank's, in rank order
-        payload = {"version": VERSION, "model": t.model.state_dict(), "optimizer": hvd_utils.checkpoint_state(t.optimizer),
+        payload = {"version": VERSION, "model": t.model.state_dict(),
+                   "optimizer": hvd_utils.checkpoint_state(t.optimizer),
                    "scaler": t.scaler.state_dict() if t.scaler else None, "config": self.cfg.to_dict(),
                    "world_size": hvd_utils.world_size(), "rng": rng, "wall_seconds": self.state.wall_seconds(),
                    "model_card": self.out.card, "partial": partial, **self.out.fits, **self.state.checkpoint_fields()}

@@ -160,7 +160,8 @@ def patches(cxx_standard):
          "  // wrote its new one connected to a closed port, and Gloo's IoException aborted the process. Each\n"
          "  // later generation has keys of its own (every rank of a fixed job re-initializes as often; an elastic\n"
          "  // job's driver resets its store for every round instead).\n"
-         "  generation_suffix_ = (!elastic && generation_ > 0) ? \"_generation_\" + std::to_string(generation_) : \"\";\n"
+         "  generation_suffix_ =\n"
+         "      (!elastic && generation_ > 0) ? \"_generation_\" + std::to_string(generation_) : \"\";\n"
          "  ctx = Rendezvous(HOROVOD_GLOO_GLOBAL_PREFIX + generation_suffix_,\n",
          "hvd.init() after hvd.shutdown() under horovodrun --gloo aborted at random (connect: Connection "
          "refused, from a peer's stale rendezvous key): each re-initialization rendezvouses under keys of its own"),
