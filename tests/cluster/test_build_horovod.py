@@ -47,9 +47,25 @@ def fake_sdist(root):
           'if(NOT Pytorch_VERSION VERSION_LESS "1.5.0")\n    set(CMAKE_CXX_STANDARD 14)\nendif()\n')
     write(root / "cmake/Modules/FindPytorch.cmake", 'string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)\n')
     write(root / "horovod/common/gloo/gloo_context.cc",
+          "void GlooContext::Initialize(const std::string& gloo_iface) {\n"
+          "  bool elastic = GetBoolEnvOrDefault(HOROVOD_ELASTIC, false);\n"
+          "  ctx = Rendezvous(HOROVOD_GLOO_GLOBAL_PREFIX,\n"
+          "                   rendezvous_addr_env, rendezvous_port,\n"
+          "                   rank, size, dev, timeout_);\n"
+          "  local_ctx = Rendezvous(HOROVOD_GLOO_LOCAL_PREFIX + hostname_,\n"
+          "                         rendezvous_addr_env, rendezvous_port,\n"
+          "                         local_rank, local_size, dev, timeout_);\n"
+          "  cross_ctx = Rendezvous(HOROVOD_GLOO_CROSS_PREFIX + std::to_string(local_rank),\n"
+          "                         rendezvous_addr_env, rendezvous_port,\n"
+          "                         cross_rank, cross_size, dev, timeout_);\n}\n"
           "void GlooContext::InitializeForProcessSet(const GlooContext& global_context) {\n"
           "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
-          "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;\n}\n")
+          "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;\n"
+          '  std::string process_set_suffix = "_process_set_hash_" + process_set_hash;\n}\n'
+          "void GlooContext::Finalize() {\n  global_ctx.reset();\n  ctx.reset();\n  cross_ctx.reset();\n"
+          "  local_ctx.reset();\n  reset_ = true;\n}\n")
+    write(root / "horovod/common/gloo/gloo_context.h",
+          "private:\n  bool enabled_ = false;\n  bool reset_ = false;\n\n  std::chrono::milliseconds timeout_;\n")
     write(root / "horovod/runner/driver/driver_service.py",
           "    if len(remote_host_names) > 0:\n        nics = settings.nics\n"
           "    else:\n        nics = get_local_interfaces(settings)\n    return nics\n")
@@ -213,6 +229,12 @@ def test_patches_for_clusters_use_the_named_interface_and_survive_an_elastic_rei
     gloo = (tmp_path / "horovod/common/gloo/gloo_context.cc").read_text()
     # A process set's Gloo device takes the global context's interface before it is created.
     assert gloo.index("gloo_iface_ = global_context.gloo_iface_;") < gloo.index("auto dev = CreateDevice")
+    # hvd.init() after hvd.shutdown() in a fixed job: every context's rendezvous keys carry the generation, which
+    # each Finalize counts (an elastic job's driver resets its store instead).
+    assert "generation_suffix_ =\n      (!elastic && generation_ > 0)" in gloo
+    assert gloo.count("+ generation_suffix_,") == 3 and "process_set_hash + global_context.generation_suffix_;" in gloo
+    assert "reset_ = true;\n  ++generation_;" in gloo
+    assert "int generation_ = 0;" in (tmp_path / "horovod/common/gloo/gloo_context.h").read_text()
     driver = (tmp_path / "horovod/runner/driver/driver_service.py").read_text()
     assert "nics = settings.nics or get_local_interfaces(settings)" in driver
     params = (tmp_path / "horovod/common/parameter_manager.cc").read_text()
