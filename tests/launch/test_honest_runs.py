@@ -112,17 +112,14 @@ def interrupted(proc, log, *signums):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("launcher,target,signum,workers", [
-    ("horovodrun-gloo", "group", signal.SIGINT, 0),   # Ctrl-C in a terminal: the whole foreground group
-    ("horovodrun-mpi", "launcher", signal.SIGINT, 0),  # kill -INT <horovodrun's pid>, as the README says
-    ("horovodrun-mpi", "launcher", signal.SIGTERM, 0),
-    ("mpirun", "launcher", signal.SIGTERM, 0),
-    ("single", "group", signal.SIGINT, 0),
-    # With loader workers, which the launchers' signals reach too (the ranks' process groups): they must not die
-    # of it before the ranks have agreed on a step and saved.
+    # With loader workers (--workers 2), which the launchers' signals reach too (the ranks' process groups, every
+    # descendant of horovodrun): they must not die of it before the ranks have agreed on a step and saved.
+    ("horovodrun-gloo", "group", signal.SIGINT, 2),   # Ctrl-C in a terminal: the whole foreground group
     ("horovodrun-gloo", "launcher", signal.SIGTERM, 2),
+    ("horovodrun-mpi", "launcher", signal.SIGINT, 0),  # kill -INT <horovodrun's pid>, as the README says
     ("horovodrun-mpi", "launcher", signal.SIGTERM, 2),
     ("mpirun", "launcher", signal.SIGTERM, 2),
-    ("horovodrun-gloo", "group", signal.SIGINT, 2),
+    ("single", "group", signal.SIGINT, 0),
 ])
 def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_path, launcher, target, signum, workers):
     run, log = tmp_path / "run", tmp_path / "log"
