@@ -10,6 +10,8 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
+from hvd_utils.elastic import under_elastic_launcher
+
 # Raised inside a collective on the surviving ranks when another rank has failed and Horovod has shut down.
 PeerFailure = HorovodInternalError
 
@@ -165,7 +167,7 @@ def agree_on_settings(refusal):
     rank refused the same command line or one rank alone could not read a recipe on its host. (Without it a
     refusing rank either spoke with the others or left rank 0 waiting for it.) An elastic worker runs no collective
     outside Horovod's loop, so there each rank answers for itself."""
-    said = [refusal] if hvd.size() == 1 or os.environ.get("HOROVOD_ELASTIC") == "1" else \
+    said = [refusal] if hvd.size() == 1 or under_elastic_launcher() else \
         hvd.allgather_object(refusal, name="settings_refused")
     for rank, message in enumerate(said):
         if message:
@@ -174,10 +176,15 @@ def agree_on_settings(refusal):
 
 def launched_size():
     """How many ranks the launcher started, as the environment says before hvd.init() (1 when it says nothing)."""
-    for var in _SIZE_VARS:
+    return _announced(_SIZE_VARS, 1)
+
+
+def _announced(names, default):
+    """The first of the launcher's variables `names` that holds a number, else `default`."""
+    for var in names:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
-    return 1
+    return default
 
 
 def pin_to_local_rank(cpu=False):
@@ -250,10 +257,7 @@ def launcher_rank():
 
     Lets a process that fails before Horovod starts (a bad flag, say) leave the error message to rank 0 alone.
     """
-    for var in _RANK_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
+    return _announced(_RANK_VARS, 0)
 
 
 def controller():
