@@ -628,9 +628,9 @@ SHM_ALLREDUCE_FILE = "horovod/common/ops/hvdt_shm_allreduce.h"
 def shm_allreduce_patches():
     """Horovod's MPI allreduce through memory the ranks share, where all ranks of the process set are on one node
     (shm_allreduce.h beside this script says why and how): float32, float64, bfloat16, int32 and int64 sums and
-    averages; other types and reductions, tensors on GPUs, and ranks on several nodes keep to MPI_Allreduce.
-    HVD_TRAIN_SHM_ALLREDUCE=0 on any rank turns it off for the job. The timeline names the activity SHM_ALLREDUCE
-    instead of MPI_ALLREDUCE."""
+    averages; other types and reductions, tensors on GPUs, ranks on several nodes and buffers below
+    HVD_TRAIN_SHM_MIN_BYTES (1 MB unless set) keep to MPI_Allreduce. HVD_TRAIN_SHM_ALLREDUCE=0 on any rank turns it
+    off for the job. The timeline names the activity SHM_ALLREDUCE instead of MPI_ALLREDUCE."""
     why = "allreduce through shared memory on one node"
     edits = [
         ("horovod/common/mpi/mpi_context.h", "namespace horovod {\nnamespace common {\n",
@@ -706,6 +706,10 @@ def shm_allreduce_patches():
          "  struct hvdt_shm* shm = first_entry.device == CPU_DEVICE_ID &&\n"
          "                        HvdtShmType(first_entry.tensor->dtype(), &shm_type)\n"
          "                        ? HvdtShmFor(mpi_context, response.reduce_op()) : nullptr;\n"
+         "  // Below the size where it pays (HVD_TRAIN_SHM_MIN_BYTES, the same on every rank), MPI_Allreduce.\n"
+         "  if (shm != nullptr && !hvdt_shm_pays(shm, (size_t)num_elements, shm_type)) {\n"
+         "    shm = nullptr;\n"
+         "  }\n"
          "  // It scales floating-point sums itself (an average), while they are in cache; Horovod scales the\n"
          "  // integer ones below.\n"
          "  bool shm_scales = shm != nullptr && (shm_type == HVDT_SHM_FLOAT32 || shm_type == HVDT_SHM_FLOAT64 ||\n"

@@ -52,6 +52,14 @@
 #ifndef HVDT_SHM_YIELDS
 #define HVDT_SHM_YIELDS 1000
 #endif
+/* Buffers smaller than this keep to MPI_Allreduce (hvdt_shm_pays); HVD_TRAIN_SHM_MIN_BYTES overrides it, and the
+ * ranks take the largest value any of them was given. Through Horovod, on a 16-core node and on a 2-core VM, up to
+ * 1 MB each allreduce took one or two of Horovod's cycles either way (docs/install.md): the shared memory gained
+ * nothing there. From 4 MB on it was faster on the 16-core node (2 and 4 ranks, every run) and on the 2-core VM in
+ * most runs. */
+#ifndef HVDT_SHM_MIN_BYTES
+#define HVDT_SHM_MIN_BYTES (1024 * 1024)
+#endif
 
 enum hvdt_shm_type { HVDT_SHM_FLOAT32, HVDT_SHM_FLOAT64, HVDT_SHM_BFLOAT16, HVDT_SHM_INT32, HVDT_SHM_INT64 };
 
@@ -68,6 +76,7 @@ struct hvdt_shm {
     size_t bytes;
     int rank, size;
     uint32_t barriers; /* this rank's count of barriers passed */
+    size_t min_bytes;  /* the smallest buffer it takes (hvdt_shm_pays); the same on every rank */
     struct hvdt_shm_flags *flags[64];
     char *slot[64];    /* each rank's staging slot for a block of its buffer */
     char *reduced[64]; /* each rank's reduced segment of the block */
@@ -145,6 +154,11 @@ static inline struct hvdt_shm *hvdt_shm_create(MPI_Comm comm, int wanted) {
         free(shm);
         return NULL;
     }
+    /* The smallest buffer worth it, agreed (every rank must choose the same way for the same buffer). */
+    const char *min_env = getenv("HVD_TRAIN_SHM_MIN_BYTES");
+    long long min_bytes = min_env != NULL && *min_env != '\0' ? atoll(min_env) : (long long)HVDT_SHM_MIN_BYTES;
+    MPI_Allreduce(MPI_IN_PLACE, &min_bytes, 1, MPI_LONG_LONG, MPI_MAX, comm);
+    shm->min_bytes = min_bytes > 0 ? (size_t)min_bytes : 0;
     shm->base = base;
     shm->bytes = bytes;
     shm->rank = rank;
@@ -297,6 +311,11 @@ static inline void hvdt_shm_sum_bf16(const void *const *part, int size, size_t c
             hvdt_shm_bf16_narrow(acc, n, out + done);
         }
     }
+}
+
+/* Whether `count` elements of `type` are enough for the shared memory to beat MPI_Allreduce (HVDT_SHM_MIN_BYTES). */
+static inline int hvdt_shm_pays(const struct hvdt_shm *shm, size_t count, enum hvdt_shm_type type) {
+    return count * hvdt_shm_type_size(type) >= shm->min_bytes;
 }
 
 /* Rank r's share of `count` elements: [first(r), first(r + 1)). */

@@ -101,8 +101,10 @@ def job_state(env, job):
 
 # The job's settings; the reference run outside SLURM trains with the same ones. A checkpoint every 40 steps (an
 # epoch is 89 steps of 8 per rank), and each step paced to take at least 40 ms (tests/workers/paced), so that the
-# job is still running when the test signals it, however fast the machine.
-JOB = ["--epochs", "4", "--batch-size", "8", "--checkpoint.every_steps", "40", "--logging.progress=false"]
+# job is still running when the test signals it, however fast the machine. Two loader workers per rank: SLURM's
+# signals (USR1 to the batch script, TERM to every process of the job) must reach the ranks, never their workers.
+JOB = ["--epochs", "4", "--batch-size", "8", "--checkpoint.every_steps", "40", "--logging.progress=false",
+       "--workers", "2"]
 PACED = {"PYTHONPATH": f"{ROOT / 'tests' / 'workers' / 'paced'}{os.pathsep}{ROOT}", "HVD_TEST_STEP_PAUSE_S": "0.04"}
 
 

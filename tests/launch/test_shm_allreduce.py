@@ -1,7 +1,8 @@
 """Horovod's allreduce on MPI through memory the ranks of one node share (scripts/horovod/shm_allreduce.h, patched
 into Horovod by scripts/horovod/build_horovod.py), proven on real jobs under mpirun and horovodrun: exact sums and
 averages of every type it covers, across its 1 MB blocks, the same bits on every rank and as MPI_Allreduce gives,
-MPI_Allreduce kept for the rest, and HVD_TRAIN_SHM_ALLREDUCE=0 turning it off."""
+MPI_Allreduce kept for the rest and for buffers below HVD_TRAIN_SHM_MIN_BYTES, and HVD_TRAIN_SHM_ALLREDUCE=0
+turning it off."""
 import json
 import subprocess
 
@@ -12,6 +13,10 @@ from conftest import find_mpirun, job_env, launch, launch_command
 pytestmark = pytest.mark.distributed
 
 SHARED = ("float32", "float64", "bfloat16", "int32", "int64")
+SIZES = {"float32": 4, "float64": 8, "bfloat16": 2, "int32": 4, "int64": 8, "float16": 2}
+# Every buffer through shared memory however small, where a test checks the path itself (the default keeps small
+# buffers on MPI_Allreduce, which is faster there).
+EVERY_SIZE = {"HVD_TRAIN_SHM_MIN_BYTES": "0"}
 
 
 def run_worker(tmp_path, worker, launcher, np, env=None):
@@ -48,7 +53,20 @@ def assert_all_on_mpi(reduced_by):
 
 
 def test_sums_and_averages_go_through_shared_memory_exactly(tmp_path, worker):
-    check_paths(run_worker(tmp_path, worker, "mpirun", 2)[0])
+    check_paths(run_worker(tmp_path, worker, "mpirun", 2, env=EVERY_SIZE)[0])
+
+
+def test_buffers_below_the_threshold_keep_to_mpi_allreduce(tmp_path, worker):
+    # HVD_TRAIN_SHM_MIN_BYTES=4096: of the cases the shared memory covers, those of 4096 bytes or more take it, the
+    # smaller ones MPI_Allreduce; the results are exact and the same bits on every rank either way.
+    reduced_by, _ = run_worker(tmp_path, worker, "horovodrun-mpi", 2, env={"HVD_TRAIN_SHM_MIN_BYTES": "4096"})
+    ungrouped = [case for case in reduced_by if through_shared_memory(case) and not case.startswith("grouped")]
+    assert len(ungrouped) == 40, sorted(reduced_by)
+    for case in ungrouped:
+        dtype, count = case.split("-")[1:]
+        path = "SHM_ALLREDUCE" if int(count) * SIZES[dtype] >= 4096 else "MPI_ALLREDUCE"
+        assert reduced_by[case] == [path], (case, reduced_by[case])
+    assert {tuple(reduced_by[case]) for case in ungrouped} == {("SHM_ALLREDUCE",), ("MPI_ALLREDUCE",)}
 
 
 def test_three_ranks_get_the_same_bits_as_mpi_allreduce_gives_them(tmp_path, worker):
@@ -57,7 +75,7 @@ def test_three_ranks_get_the_same_bits_as_mpi_allreduce_gives_them(tmp_path, wor
     # worker's sums are exact, so the order of the additions cannot change them).
     (tmp_path / "shm").mkdir()
     (tmp_path / "mpi").mkdir()
-    reduced_by, shm_digests = run_worker(tmp_path / "shm", worker, "horovodrun-mpi", 3)
+    reduced_by, shm_digests = run_worker(tmp_path / "shm", worker, "horovodrun-mpi", 3, env=EVERY_SIZE)
     check_paths(reduced_by)
     reduced_by, mpi_digests = run_worker(tmp_path / "mpi", worker, "horovodrun-mpi", 3,
                                          env={"HVD_TRAIN_SHM_ALLREDUCE": "0"})
