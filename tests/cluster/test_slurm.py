@@ -103,8 +103,10 @@ def job_state(env, job):
 # epoch is 89 steps of 8 per rank), and each step paced to take at least 40 ms (tests/workers/paced), so that the
 # job is still running when the test signals it, however fast the machine. Two loader workers per rank: SLURM's
 # signals (USR1 to the batch script, TERM to every process of the job) must reach the ranks, never their workers.
+# timm's resnet10t with GroupNorm (one group) in place of BatchNorm: a normalization without running statistics,
+# whose resume must be as exact.
 JOB = ["--epochs", "4", "--batch-size", "8", "--checkpoint.every_steps", "40", "--logging.progress=false",
-       "--workers", "2"]
+       "--workers", "2", "--model", "timm/resnet10t", "--model-args", "norm_layer=groupnorm1", "--image-size", "16"]
 PACED = {"PYTHONPATH": f"{ROOT / 'tests' / 'workers' / 'paced'}{os.pathsep}{ROOT}", "HVD_TEST_STEP_PAUSE_S": "0.04"}
 
 
