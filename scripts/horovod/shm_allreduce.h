@@ -55,8 +55,8 @@
 /* Buffers smaller than this keep to MPI_Allreduce (hvdt_shm_pays); HVD_TRAIN_SHM_MIN_BYTES overrides it, and the
  * ranks take the largest value any of them was given. Through Horovod, on a 16-core node and on a 2-core VM, up to
  * 1 MB each allreduce took one or two of Horovod's cycles either way (docs/install.md): the shared memory gained
- * nothing there. From 4 MB on it was faster on the 16-core node (2 and 4 ranks, every run) and on the 2-core VM in
- * most runs. */
+ * nothing there. From 4 MB on it was faster on the 16-core node (2 and 4 ranks, every run); on the 2-core VM some
+ * launches were faster and others slower than MPICH's own. */
 #ifndef HVDT_SHM_MIN_BYTES
 #define HVDT_SHM_MIN_BYTES (1024 * 1024)
 #endif

@@ -7,13 +7,13 @@ import json
 import subprocess
 
 import pytest
+import torch
 
 from conftest import find_mpirun, job_env, launch, launch_command
 
 pytestmark = pytest.mark.distributed
 
 SHARED = ("float32", "float64", "bfloat16", "int32", "int64")
-SIZES = {"float32": 4, "float64": 8, "bfloat16": 2, "int32": 4, "int64": 8, "float16": 2}
 # Every buffer through shared memory however small, where a test checks the path itself (the default keeps small
 # buffers on MPI_Allreduce, which is faster there).
 EVERY_SIZE = {"HVD_TRAIN_SHM_MIN_BYTES": "0"}
@@ -64,7 +64,7 @@ def test_buffers_below_the_threshold_keep_to_mpi_allreduce(tmp_path, worker):
     assert len(ungrouped) == 40, sorted(reduced_by)
     for case in ungrouped:
         dtype, count = case.split("-")[1:]
-        path = "SHM_ALLREDUCE" if int(count) * SIZES[dtype] >= 4096 else "MPI_ALLREDUCE"
+        path = "SHM_ALLREDUCE" if int(count) * getattr(torch, dtype).itemsize >= 4096 else "MPI_ALLREDUCE"
         assert reduced_by[case] == [path], (case, reduced_by[case])
     assert {tuple(reduced_by[case]) for case in ungrouped} == {("SHM_ALLREDUCE",), ("MPI_ALLREDUCE",)}
 
