@@ -82,16 +82,20 @@ def datasets_from(train, val, facts, dc, where=""):
     image = [facts.pop(name, None) for name in IMAGE_FACTS]
     return train, val, DataInfo(*image, len(train), len(val), extra=facts, classes=named,
                                 preprocessing=_preprocessing(recorded, image, dc),
-                                example=functools.partial(example_batch, train, image))
+                                example=functools.partial(example_batch, train, val, image))
 
 
-def example_batch(train, image):
-    """One training sample collated into a batch of one. A stream (tar shards) has no first sample to index: a
-    blank image of its size and class 0, which is what a shard's sample collates to."""
+def example_batch(train, val, image):
+    """One training sample collated into a batch of one, drawn from generators seeded for it and put back after, so
+    a peek changes no later draw. A stream (tar shards) has no first sample to index: a blank image of its size and
+    class 0, which is what a shard's image collates to, or a user's sample as the first validation shard holds
+    it."""
     if is_streamed(train):
+        if train.facts.get("transform") == "samples":
+            return shards.first_batch(val, None, 1)
         channels, _, size = image
         return [torch.zeros(1, channels, size, size), torch.zeros(1, dtype=torch.long)]
-    return default_collate([train[0]])
+    return default_collate([SeededSamples(train)[(0, 0)]])
 
 
 def _preprocessing(recorded, image, dc):

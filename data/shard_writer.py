@@ -89,14 +89,17 @@ def facts_of(dataset, info, dataset_name):
     """What the reader needs to rebuild the data set's samples: classes, channels, size, how to transform (images),
     or the samples' structure and the data set's own facts (any other data set)."""
     base = dataset.dataset if isinstance(dataset, Subset) else dataset
-    facts = {"source": dataset_name, "num_classes": info.num_classes, "in_channels": info.in_channels,
-             "image_size": info.image_size}
+    # Facts that do not apply (a text data set has no channels) are left out, not written as null.
+    facts = {k: v for k, v in (("num_classes", info.num_classes), ("in_channels", info.in_channels),
+                               ("image_size", info.image_size)) if v is not None}
+    facts = {"source": dataset_name, **facts}
     if isinstance(base, ImageTensorDataset):
         facts.update(transform="arrays", mean=base.mean.flatten().tolist(), std=base.std.flatten().tolist())
     elif hasattr(base, "samples") and hasattr(base, "classes"):
         facts.update(transform="photos", classes=list(base.classes))
     else:
-        facts.update(transform="samples", structure=structure(dataset[0]), extra=dict(info.extra))
+        facts.update(transform="samples", structure=structure(dataset[0]), extra=dict(info.extra),
+                     **({"classes": list(info.classes)} if info.classes else {}))
     return facts
 
 

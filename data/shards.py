@@ -44,10 +44,13 @@ IMAGE_KEYS = ("png", "jpg", "jpeg", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
 def transform_for(facts, image_size, train, augment=None):
     """Photos (written from an image folder) get ImageFolder's transforms; arrays (CIFAR, MNIST, ...) are scaled to
     image_size and normalized with their data set's mean and std, as when read from their files, and in training
-    augmented as the data set they were written from is (augment: (Augmentation, kind) or None)."""
+    augmented as the data set they were written from is (augment: (Augmentation, kind) or None); a user's samples
+    (any other data set) take none (None)."""
     from torchvision import transforms as T
 
     augmentation, kind = augment or (None, None)
+    if facts.get("transform") == "samples":  # a user's samples come back as they were written: nothing to do
+        return None
     if facts.get("transform") == "photos":
         from hvd_train.data.imagefolder import transforms
 

@@ -148,28 +148,44 @@ def timm_optimizer(model, optim_cfg, lr):
                                layer_decay=optim_cfg.layer_decay or None, **extra)
 
 
-def materialise_lazy(model, task, info, device, name):
-    """Give lazy modules (nn.LazyLinear, nn.LazyConv2d, ...) their shapes from one training sample, on every rank,
-    before the optimizer takes the parameters and Horovod broadcasts them: an uninitialized parameter has no
-    storage to average or send. The forward runs in eval mode without gradients, so no BatchNorm statistic moves;
-    the values each rank draws are replaced by rank 0's in the broadcast that follows."""
-    if not any(is_lazy(p) for p in model.parameters()) or info.example is None:
+def try_a_sample(model, task, info, device, cfg):
+    """One training sample through the task and the model, on every rank, before anything is written, where the run
+    needs it: lazy modules (nn.LazyLinear, ...) take their shapes from it, before the optimizer takes the parameters
+    and Horovod broadcasts them (an uninitialized parameter has no storage to average or send); and the built-in
+    classification task meets the samples and the model's output it will train on, so a sample without a class or
+    an output without logits is one refusal, not a failed first step. The forward runs in eval mode without
+    gradients, so no BatchNorm statistic moves; the values each rank draws are replaced by rank 0's in the broadcast
+    that follows."""
+    lazy = any(is_lazy(p) for p in model.parameters())
+    if not (lazy or task.name == "classification") or info.example is None:
         return
     batch = to_device(info.example(), device)
+    if task.name == "classification" and isinstance(batch, dict) and (cfg.aug.mixup or cfg.aug.cutmix):
+        raise ConfigError(f"--{'mixup' if cfg.aug.mixup else 'cutmix'} mixes images, and the samples of "
+                          f"{cfg.data.dataset} are dicts ({', '.join(sorted(batch))}); leave it out")
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            task.task.loss(model, batch)
+            _, logits = task.task.loss(model, batch)
+    except ConfigError as e:  # the task's own refusal of these samples or outputs
+        raise ConfigError(f"--dataset {cfg.data.dataset}, --model {cfg.model.name}: {e}") from None
     except Exception as e:
-        raise ConfigError(f"--model={name}: its lazy modules could not take their shapes from a "
+        if not lazy:
+            raise
+        raise ConfigError(f"--model={cfg.model.name}: its lazy modules could not take their shapes from a "
                           f"training sample ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") \
             from None
     finally:
         model.train(was_training)
+    if task.name == "classification" and (logits.dim() != 2 or logits.shape[0] != tasks.samples_in(batch)):
+        raise ConfigError(f"--model {cfg.model.name}: the classification task takes logits of shape (batch, "
+                          f"classes), and the model returned {list(logits.shape)} for a batch of "
+                          f"{tasks.samples_in(batch)}; return one row of class scores per sample, or give your own "
+                          f"--task")
     left = [n for n, p in model.named_parameters() if is_lazy(p)]
     if left:
-        raise ConfigError(f"--model={name}: lazy parameter(s) {', '.join(left[:3])} were not used by "
+        raise ConfigError(f"--model={cfg.model.name}: lazy parameter(s) {', '.join(left[:3])} were not used by "
                           f"a forward pass of a training sample, so they have no shape; use them in forward(), or "
                           f"give their sizes")
 

@@ -301,7 +301,7 @@ def close_epoch(trainer, train_sums, val_loader, timing):
         hvd_utils.average_buffers(t.ema.module)
         ema = evaluate_all(t.ema.module, t.task, val_loader, t.device, t.opts.amp)
         record.update({f"val_ema_{k}": v for k, v in ema.items()})
-    log.info(format_record(timing.epoch, t.epochs, train, val, record))
+    log.info(format_record(timing.epoch, t.epochs, train, val, record, t.task.shown))
     return record
 
 
@@ -314,12 +314,14 @@ def epoch_record(epoch, lr, epoch_seconds, train, val):
     return record
 
 
-def format_record(epoch, epochs, train, val, record):
-    """One line per epoch: train and validation terms, top-1/top-5 where there are any, rate and time."""
+def format_record(epoch, epochs, train, val, record, shown=None):
+    """One line per epoch: train and validation terms and metrics as the task names them (shown: {metric: label}
+    for those it shows in percent, as classification's top-1 and top-5), rate and time."""
+    shown = shown or {}
+
     def terms(metrics):
         names = [k for k in metrics if k != "count"]  # the task's order: loss, its terms, its metrics
-        return " ".join(f"top-{k[3:]} {metrics[k]:.2f}%" if k in ("acc1", "acc5") else f"{k} {metrics[k]:.4f}"
-                        for k in names)
+        return " ".join(f"{shown[k]} {metrics[k]:.2f}%" if k in shown else f"{k} {metrics[k]:.4f}" for k in names)
 
     ema = {k[8:]: v for k, v in record.items() if k.startswith("val_ema_")}
     averaged = f"  val(ema) {terms(ema)}" if ema else ""

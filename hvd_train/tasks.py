@@ -26,10 +26,16 @@ from hvd_train.errors import ConfigError
 from hvd_train.plugins import call
 
 
+# The keys of a dict sample that hold its class, as HuggingFace's data sets and models name them.
+LABEL_KEYS = ("label", "labels")
+
+
 class Classification:
     """Cross-entropy on logits; top-1 and top-5 accuracy in percent (top-5 only with more than 5 classes, where it
     is not always 100%). batch: (inputs, class indices), or (mixed inputs, class indices, soft targets) under
-    mixup/CutMix (hvd_train/regularize.py), whose accuracy counts against each input's own class.
+    mixup/CutMix (hvd_train/regularize.py), whose accuracy counts against each input's own class; or a dict whose
+    "label" (or "labels") holds the classes and whose other keys the model takes by keyword, as HuggingFace's
+    models do. The model returns the logits, a tuple whose first item they are, or an object with .logits.
 
     Training follows timm's train.py: soft targets -> SoftTargetCrossEntropy, label smoothing ->
     LabelSmoothingCrossEntropy, and BinaryCrossEntropy for either with --bce-loss; evaluation (the model in eval
@@ -37,6 +43,7 @@ class Classification:
     metrics = ("acc1", "acc5")
     best_metric, best_mode = "val_acc1", "max"
     percent = ("acc1", "acc5")  # metrics in percent: a --stop-at above 100 can never be reached
+    shown = {"acc1": "top-1", "acc5": "top-5"}  # what the epoch line and the summary call them
 
     def __init__(self, num_classes=None, smoothing=0.0, bce_loss=False):
         if num_classes is not None and num_classes <= 5:
@@ -44,20 +51,55 @@ class Classification:
         self.train_loss, self.bce = training_loss(smoothing, bce_loss), bce_loss
 
     def loss(self, model, batch):
-        inputs, labels = batch[0], batch[1]
-        logits = model(inputs)
-        if model.training and len(batch) > 2:  # mixed: the targets carry the smoothing already
+        args, kwargs, labels = split_batch(batch)
+        logits = logits_of(model(*args, **kwargs))
+        mixed = not isinstance(batch, dict) and len(batch) > 2
+        if model.training and mixed:  # mixed: the targets carry the smoothing already
             return {"loss": (self.train_loss if self.bce else soft_cross_entropy)(logits, batch[2])}, logits
         if model.training and self.train_loss is not None:
             return {"loss": self.train_loss(logits, labels)}, logits
         return {"loss": F.cross_entropy(logits, labels)}, logits
 
     def metric_sums(self, logits, batch):
-        labels = batch[1]
+        labels = split_batch(batch)[2]
         # One topk serves both accuracies: its first column is the argmax.
         hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels.unsqueeze(1)
         sums = {"acc1": 100.0 * hits[:, 0].sum(), "acc5": 100.0 * hits.any(dim=1).sum()}
         return {k: sums[k] for k in self.metrics}
+
+
+def split_batch(batch):
+    """(positional inputs, keyword inputs, class indices) of a classifier's batch: a tuple (inputs, classes, ...) or
+    a dict with a "label" or "labels" key, whose other keys are the model's keyword inputs."""
+    if isinstance(batch, dict):
+        key = next((k for k in LABEL_KEYS if k in batch), None)
+        if key is None:
+            raise ConfigError(f"the classification task takes the classes of a dict sample from its 'label' or "
+                              f"'labels' key, and the samples have keys {sorted(batch)}; name the class key "
+                              f"'label', or give your own --task")
+        return (), {k: v for k, v in batch.items() if k != key}, batch[key]
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        found = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else \
+            f"a {type(batch).__name__}"
+        raise ConfigError(f"the classification task takes samples (inputs, class) or dicts with a 'label' key, and "
+                          f"the samples are {found}; give samples of that form, or your own --task")
+    return (batch[0],), {}, batch[1]
+
+
+def logits_of(output):
+    """A classifier's logits from what its forward returned: the tensor itself, the first item of a tuple, or the
+    .logits of an output object (HuggingFace's SequenceClassifierOutput)."""
+    if torch.is_tensor(output):
+        return output
+    logits = getattr(output, "logits", None)
+    if torch.is_tensor(logits):
+        return logits
+    if isinstance(output, (tuple, list)) and output and torch.is_tensor(output[0]):
+        return output[0]
+    found = f"a {type(output).__name__}" + (f" with keys {sorted(output)}" if isinstance(output, dict) else "")
+    raise ConfigError(f"the classification task takes the model's logits as a tensor, the first item of a tuple, "
+                      f"or an output's .logits, and the model returned {found}; return the logits, or give your "
+                      f"own --task")
 
 
 def training_loss(smoothing, bce):
@@ -132,6 +174,8 @@ class RunTask:
         self.derived = tuple(getattr(task, "derived", ()))
         check_task(task, name, self.terms, self.metrics, self.derived)
         self.best_metric, self.best_mode = task.best_metric, task.best_mode
+        # Metrics the task labels for people, shown in percent ({"acc1": "top-1"}); the others by their own names.
+        self.shown = {k: v for k, v in dict(getattr(task, "shown", {})).items() if k in self.metrics}
         shown = self.terms if self.terms != ("loss",) else ()
         self.keys = ("count", "loss") + shown + self.metrics
 

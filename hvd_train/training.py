@@ -14,7 +14,7 @@ import torch
 import hvd_utils
 from hvd_train.guards import interrupt, time_limit, watchdog
 from hvd_train.build import (attach_profiler, build_model_for, build_optimizer, build_task, load_initial_weights,
-                             loader_spec, materialise_lazy, prepare_data)
+                             loader_spec, prepare_data, try_a_sample)
 from hvd_train.checks import check_shards
 from hvd_train.data import DataInfo, LoaderSpec, build_loaders, check_world, is_streamed
 from hvd_train.data import continue_epoch as continue_epoch_of
@@ -70,7 +70,7 @@ def model_and_task(cfg, info, device):
     its own random weights here: Horovod's broadcast gives them rank 0's next."""
     model = build_model_for(cfg, info, device)
     task = build_task(cfg, info)
-    materialise_lazy(model, task, info, device, cfg.model.name)
+    try_a_sample(model, task, info, device, cfg)  # lazy shapes taken; a classifier's samples checked
     freeze_configured(model, cfg.model)  # before the optimizer: frozen parameters are not given to it
     return model, task
 

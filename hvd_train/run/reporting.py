@@ -191,9 +191,12 @@ def log_setup(cfg, rt, info, trainer, resumed_epoch):
              f"; resuming after epoch {resumed_epoch}" if resumed_epoch else "")
     extras = (("mixup", cfg.aug.mixup), ("cutmix", cfg.aug.cutmix), ("label smoothing", cfg.aug.smoothing),
               ("drop-path", cfg.model.drop_path))
-    log.info("augmentation: %s%s%s", describe_augmentation(cfg),
-             "".join(f"; {name} {value:g}" for name, value in extras if value),
-             f"; EMA of the weights (decay {cfg.model.ema_decay:g})" if cfg.model.ema else "")
+    extra = "".join(f"; {name} {value:g}" for name, value in extras if value) + \
+        (f"; EMA of the weights (decay {cfg.model.ema_decay:g})" if cfg.model.ema else "")
+    if info.in_channels and info.image_size:  # images: what they go through
+        log.info("augmentation: %s%s", describe_augmentation(cfg), extra)
+    elif extra:  # tokens, tables, ...: the data set's samples as they are, and what training adds
+        log.info("regularization:%s", extra[1:])
     if cfg.horovod.shard_optimizer and rt.size > 1:
         log.info("optimizer state sharded over %d ranks (ZeRO-1, --shard-optimizer): %s state for %.2fM "
                  "parameters on this rank; checkpoints hold it whole", rt.size, cfg.optim.optimizer,

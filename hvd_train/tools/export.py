@@ -11,6 +11,7 @@ is not kept.
 """
 import argparse
 import contextlib
+import inspect
 import io
 import os
 import re
@@ -26,7 +27,8 @@ from hvd_train.data.shard_index import ShardSet
 from hvd_train.data.shards import first_batch
 from hvd_train.config import config_from_dict
 from hvd_train.errors import CheckpointError, ConfigError, say
-from hvd_train.tools.inference import FORMATS, SIDECAR, export_runner, find_checkpoint, load_trained, outputs
+from hvd_train.tools.inference import (FORMATS, SIDECAR, ModelInputs, export_runner, find_checkpoint, load_trained,
+                                       outputs)
 from hvd_train.run.directory import temporary_beside, write_json
 from hvd_train.trust import TRUST_FLAG, refuse_code_from
 from hvd_train.uris import redact_all
@@ -68,7 +70,7 @@ def default_out(checkpoint_path, fmt):
 
 @dataclass
 class Batch:
-    images: torch.Tensor
+    inputs: ModelInputs  # what the run's task hands the model for these samples
     described: str  # where the samples come from, for the printed check
 
 
@@ -103,15 +105,16 @@ def validation_batch(ckpt, model, count, data_dir, where, trusted):
         batch = first_batch(val_set, cfg.data.image_size, count)
     else:
         batch = default_collate([val_set[i] for i in range(count)])
-    images = model_input(model, task, batch)
+    inputs = model_input(model, task, batch)
     where = "" if cfg.data.dataset in ("digits", "synthetic") else \
         f" ({redact_all(cfg.data.val_shards) if isinstance(val_set, ShardSet) else cfg.data.data_dir})"
-    return Batch(images, f"{count} validation samples of {cfg.data.dataset}{where}")
+    return Batch(inputs, f"{count} validation samples of {cfg.data.dataset}{where}")
 
 
 def model_input(model, task, batch):
-    """The tensor the task hands the model for `batch` (captured in a forward pre-hook, the task run without
-    gradients). An export takes one input tensor: a model called with several is refused by name."""
+    """The ModelInputs the task hands the model for `batch` (captured in a forward pre-hook, the task run without
+    gradients): every tensor by the name of the forward's parameter it fills. A single batch of images is called
+    "images", as exports have always named it; anything but tensors is refused by name."""
     seen = []
 
     def capture(module, args, kwargs):
@@ -130,12 +133,30 @@ def model_input(model, task, batch):
         raise ExportError(f"the task ({type(task).__name__}) did not call the model on a validation batch, so its "
                           f"input is unknown")
     args, kwargs = seen[0]
-    tensors = [a for a in args if torch.is_tensor(a)]
-    if len(tensors) != 1 or len(args) != 1 or kwargs:
-        raise ExportError(f"the task calls the model with {len(args)} positional and {len(kwargs)} keyword "
-                          f"argument(s); an export takes one input tensor (a batch of images): give the model one "
-                          f"tensor, or export its weights with --format safetensors")
-    return tensors[0]
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"the task's call of the model does not fit its forward() ({e})") from None
+    named = dict(bound.arguments)
+    params = inspect.signature(model.forward).parameters
+    spread = [n for n in named if params[n].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if spread:
+        raise ExportError(f"the model's forward() takes its inputs through *{spread[0]}; an export names each input: "
+                          f"give forward() a parameter for each, or export the weights with --format safetensors")
+    other = next((n for n, v in named.items() if not torch.is_tensor(v)), None)
+    if other is not None:
+        raise ExportError(f"the task passes the model {other}={named[other]!r}, which is not a tensor; an export "
+                          f"takes tensors only: let forward() default it, or export the weights with --format "
+                          f"safetensors")
+    keywords = bool(bound.kwargs)  # an input given by name after one left out: all go by name
+    if len(named) == 1 and not keywords and images_like(next(iter(named.values()))):
+        named = {"images": next(iter(named.values()))}
+    return ModelInputs(named, keywords)
+
+
+def images_like(tensor):
+    """A batch of images: floating point, (N, C, H, W)."""
+    return tensor.is_floating_point() and tensor.dim() == 4
 
 
 class _Captured(Exception):
@@ -182,23 +203,33 @@ def _failure(fmt, what, e):
                        f"--format (safetensors always works), or change that part of the model")
 
 
-def write_torchscript(model, batch, path):
+def write_torchscript(model, inputs, path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TorchScript's deprecation and tracer notes
         try:
             with layer_on_error(model) as seen:
-                traced = torch.jit.trace(model, batch, check_trace=False)
+                # strict=False: a model may return a dict or an output object (HuggingFace's), traced as a dict.
+                if inputs.keywords:
+                    traced = torch.jit.trace(model, example_kwarg_inputs=inputs.tensors, check_trace=False,
+                                             strict=False)
+                else:
+                    traced = torch.jit.trace(model, tuple(inputs.tensors.values()), check_trace=False,
+                                             strict=False)
         except Exception as e:
             raise _failure("torchscript", f"{_layer_of(model, seen.get('layer'))} could not be traced", e) from None
         torch.jit.save(traced, path)
 
 
-def write_onnx(model, batch, path):
-    """torch.export's graph of the model (batch axis free), converted to ONNX. A failure names the layer (from the
-    graph node's module stack) and the operator ONNX lacks."""
+def write_onnx(model, inputs, path):
+    """torch.export's graph of the model (the batch axis free, and a sequence's length where the model allows it),
+    converted to ONNX with each input named. A failure names the layer (from the graph node's module stack) and the
+    operator ONNX lacks."""
+    dims = free_dims(inputs)
+    args, kwargs = ((), inputs.tensors) if inputs.keywords else (tuple(inputs.tensors.values()), {})
+    shapes = dims if inputs.keywords else tuple(dims.values())
     try:
         with layer_on_error(model) as seen:
-            program = torch.export.export(model, (batch,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+            program = torch.export.export(model, args, kwargs, dynamic_shapes=shapes)
     except Exception as e:
         raise _failure("onnx", f"{_layer_of(model, seen.get('layer'))} could not be captured by torch.export",
                        e) from None
@@ -206,25 +237,60 @@ def write_onnx(model, batch, path):
     try:
         with contextlib.redirect_stdout(log), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(program, (batch,), path, dynamo=True, input_names=["images"], external_data=False)
+            torch.onnx.export(program, args, path, kwargs=kwargs, dynamo=True, input_names=list(inputs.tensors),
+                              external_data=False)
     except Exception as e:
         raise _onnx_failure(model, program, e) from None
-    name_batch_axis(path)
+    name_free_axes(path)
 
 
-def name_batch_axis(path):
-    """torch.export names the free batch axis with a symbol (s77); tools show names, so it is called "batch"."""
+def free_dims(inputs):
+    """{input: {axis: Dim}}: the batch axis of every input is one free dimension; the second axis of a 2-d input (a
+    sequence of token ids, its mask) is left to torch.export (Dim.AUTO), free unless the model fixes its length."""
+    batch = torch.export.Dim("batch")
+    return {name: {0: batch, **({1: torch.export.Dim.AUTO} if t.dim() == 2 else {})}
+            for name, t in inputs.tensors.items()}
+
+
+# What the free axes are called in the ONNX graph, by the axis they were found on (torch.export names them s77, s12).
+AXIS_NAMES = ("batch", "sequence")
+
+
+def name_free_axes(path):
+    """torch.export names each free axis with a symbol; tools show names, so the batch axis is called "batch" and a
+    sequence's "sequence" (where inputs differ in length, sequence_2, ...)."""
     import onnx
 
     graph = onnx.load(path)
-    symbol = graph.graph.input[0].type.tensor_type.shape.dim[0].dim_param
-    if not symbol:
+    names = {}
+    for value in graph.graph.input:
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.dim_param and dim.dim_param not in names:
+                base = AXIS_NAMES[min(axis, 1)]
+                taken = sum(n.startswith(base) for n in names.values())
+                names[dim.dim_param] = base if not taken else f"{base}_{taken + 1}"
+    if not names:
         return
     for value in [*graph.graph.input, *graph.graph.output, *graph.graph.value_info]:
         for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param == symbol:
-                dim.dim_param = "batch"
+            if dim.dim_param in names:
+                dim.dim_param = names[dim.dim_param]
     onnx.save(graph, path)
+
+
+def described_inputs(fmt, path, inputs):
+    """The sidecar's record of each input: name, shape (a free axis by its name) and dtype. ONNX's come from the
+    graph written; the other formats take the inputs as the model does, with the batch axis free."""
+    if fmt == "onnx":
+        import onnx
+
+        from onnx.helper import tensor_dtype_to_np_dtype
+
+        graph = onnx.load(path, load_external_data=False).graph
+        return [{"name": v.name, "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
+                 "dtype": str(tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type))} for v in graph.input]
+    return [{"name": name, "shape": ["batch", *t.shape[1:]], "dtype": str(t.dtype).removeprefix("torch.")}
+            for name, t in inputs.tensors.items()]
 
 
 def _onnx_failure(model, program, e):
@@ -257,8 +323,8 @@ def parity(fmt, path, card, model, batch):
     """(max |exported - pytorch| over every output, whether within tolerance, top-1 agreement or None)."""
     run = export_runner(path, fmt, card, trusted=True)  # the file just written, of a model already checked
     with torch.no_grad():
-        expected = outputs(model(batch.images))
-    got = run(batch.images)
+        expected = outputs(batch.inputs.call(model))
+    got = run(batch.inputs)
     if len(got) != len(expected) or any(g.shape != x.shape for g, x in zip(got, expected)):
         return float("inf"), False, None
     atol, rtol = TOLERANCE[fmt]
@@ -284,20 +350,22 @@ def export(args):
         if args.format == "safetensors":
             write_safetensors(model, tmp)
         elif args.format == "torchscript":
-            write_torchscript(model, batch.images, tmp)
+            write_torchscript(model, batch.inputs, tmp)
         else:
-            write_onnx(model, batch.images, tmp)
+            write_onnx(model, batch.inputs, tmp)
         worst, ok, agree = parity(args.format, tmp, card, model, batch)
         atol, rtol = TOLERANCE[args.format]
-        agreement = f"; top-1 agrees on {agree}/{len(batch.images)}" if agree is not None else ""
+        agreement = f"; top-1 agrees on {agree}/{batch.inputs.count}" if agree is not None else ""
         check = (f"parity on {batch.described}: max |{args.format} - pytorch| = {worst:.3g}, tolerance "
                  f"{atol:g} + {rtol:g} x |pytorch|{agreement}")
         if not ok:
             raise ExportError(f"the {args.format} export does not match the PyTorch model ({check}); nothing written")
+        inputs = described_inputs(args.format, tmp, batch.inputs)
         meta = {"format": args.format, "file": os.path.basename(out), "checkpoint": os.path.abspath(path),
-                "epoch": ckpt.get("epoch"), **card.to_dict(),
-                "input": {"name": "images", "shape": ["batch", *batch.images.shape[1:]], "dtype": "float32"},
-                "parity": {"samples": len(batch.images), "max_abs_diff": worst, "atol": atol, "rtol": rtol,
+                "epoch": ckpt.get("epoch"), **card.to_dict(), "inputs": inputs,
+                **({"input": inputs[0]} if len(inputs) == 1 else {}),  # what one-input exports have always had
+                "inputs_by": "name" if batch.inputs.keywords else "position",
+                "parity": {"samples": batch.inputs.count, "max_abs_diff": worst, "atol": atol, "rtol": rtol,
                            "top1_agree": agree, "on": batch.described}}
         os.replace(tmp, out)
         write_json(out + SIDECAR, meta)

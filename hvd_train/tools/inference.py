@@ -4,6 +4,7 @@ import json
 import os
 import warnings
 import zipfile
+from dataclasses import dataclass
 
 import torch
 
@@ -108,7 +109,8 @@ def file_format(path):
 
 
 def load_runner(path, trusted=False, max_memory=None):
-    """(a function batch -> list of output tensors, the ModelCard) for a checkpoint, a run directory or an export
+    """(a function batch -> list of output tensors, the ModelCard; the batch: images, or ModelInputs) for a
+    checkpoint, a run directory or an export
     (model.safetensors, model.torchscript.pt, model.onnx, each with its .json beside it). trusted: --trust-code;
     max_memory: the bytes an ONNX model may take (default: onnx_memory_bound)."""
     if os.path.isfile(path) and os.path.isfile(path + SIDECAR):
@@ -146,10 +148,34 @@ def export_runner(path, fmt, card, trusted=False, max_memory=None):
     raise CheckpointError(f"{path + SIDECAR}: unknown export format {fmt!r}")
 
 
+@dataclass
+class ModelInputs:
+    """What a model is called with: its tensors by name, in the order of its forward's parameters, passed by
+    keyword (a HuggingFace model's input_ids, attention_mask) or, where keywords is False, in that order."""
+    tensors: dict
+    keywords: bool = False
+
+    def call(self, model):
+        return model(**self.tensors) if self.keywords else model(*self.tensors.values())
+
+    @property
+    def nbytes(self):
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def count(self):
+        return next(iter(self.tensors.values())).shape[0]
+
+
+def as_inputs(batch):
+    """ModelInputs of a batch of images (predict's), or the inputs themselves."""
+    return batch if isinstance(batch, ModelInputs) else ModelInputs({"images": batch})
+
+
 def _eager(model):
     def run(batch):
         with torch.no_grad():
-            return outputs(model(batch))
+            return outputs(as_inputs(batch).call(model))
     return run
 
 
@@ -168,10 +194,11 @@ def onnx_runner(path, max_memory=None):
 
     def run(batch):
         nonlocal session
+        inputs = as_inputs(batch)
         try:
             if session is None:
-                session = Session(path, max_memory or onnx_memory_bound(os.path.getsize(path), batch.nbytes))
-            return [torch.from_numpy(y) for y in session.run(batch.numpy())]
+                session = Session(path, max_memory or onnx_memory_bound(os.path.getsize(path), inputs.nbytes))
+            return [torch.from_numpy(y) for y in session.run([t.numpy() for t in inputs.tensors.values()])]
         except RuntimeError as e:
             raise CheckpointError(f"{path}: {e}") from None
     return run

@@ -6,8 +6,9 @@ arena capped at a given number of bytes (an allocation past it fails the run, wi
 at load time is off (it would allocate outside that arena), and the session lives in a child process that imports
 numpy and onnxruntime only, so a model that crashes onnxruntime takes nothing else with it.
 
-The parent sends each batch and reads the outputs through the child's stdin and stdout: a JSON line, then the raw
-bytes of each array. `python -m hvd_train.tools.onnx_session MODEL CAP_BYTES` is the child.
+The parent sends each batch (an array for each of the graph's inputs, in its order) and reads the outputs through
+the child's stdin and stdout: a JSON line, then the raw bytes of each array. `python -m
+hvd_train.tools.onnx_session MODEL CAP_BYTES` is the child.
 """
 import json
 import re
@@ -73,14 +74,17 @@ def child(path, cap):
     except Exception as e:  # a graph onnxruntime refuses: external data outside the folder, an unknown operator
         send(out, {"error": f"onnxruntime cannot load it: {one_line(e)}"})
         return 0
-    name = session.get_inputs()[0].name
-    send(out, {"ready": name})
+    names = [i.name for i in session.get_inputs()]
+    send(out, {"ready": names})
     while True:
         header, batch = receive(inp)
         if header is None:
             return 0
         try:
-            results = session.run(None, {name: batch[0]})
+            if len(batch) != len(names):
+                raise ValueError(f"the model takes {len(names)} input(s) ({', '.join(names)}), and {len(batch)} "
+                                 f"were given")
+            results = session.run(None, dict(zip(names, batch)))
         except Exception as e:
             asked = re.search(r"Available memory of \d+ is smaller than requested bytes of (\d+)", str(e))
             text = (f"its graph asks for {int(asked.group(1)) / 2**20:,.0f} MiB at once, past the bound of "
@@ -99,7 +103,7 @@ class Session:
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, path, str(cap)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE)
         weakref.finalize(self, Session._end, self.proc)
-        self.input_name = self._answer()["ready"]
+        self.input_names = self._answer()["ready"]
 
     def _answer(self):
         header, arrays = receive(self.proc.stdout)
@@ -110,8 +114,9 @@ class Session:
             raise RuntimeError(header["error"])
         return dict(header, arrays=arrays)
 
-    def run(self, batch):
-        send(self.proc.stdin, {"arrays": described([batch])}, [batch])
+    def run(self, inputs):
+        """The outputs for `inputs`: one array for each of the model's inputs, in the graph's order."""
+        send(self.proc.stdin, {"arrays": described(inputs)}, inputs)
         return self._answer()["arrays"]
 
     @staticmethod

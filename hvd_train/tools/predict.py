@@ -79,7 +79,10 @@ def load_images(files, preprocessing):
 def predict(args):
     run, card = load_runner(args.model, args.trust_code, args.max_memory_mb and args.max_memory_mb * 2**20)
     if card.task != "classification":
-        raise InputError(f"{args.model}: a {card.task} model; predict gives the classes of a classifier")
+        raise InputError(f"{args.model}: predict gives the classes of image files, so it needs an image classifier "
+                         f"trained with the classification task (the default --task); this model was trained with "
+                         f"--task {card.task}. Run it on your own inputs from an export: hvd-train export "
+                         f"{args.model} --format onnx")
     preprocessing = card.prepare()
     files = image_files(args.images)
     results = []

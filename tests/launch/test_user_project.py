@@ -97,6 +97,16 @@ def test_a_model_trained_on_dict_samples_exports_and_passes_its_parity_check(sha
     assert meta["input"]["shape"] == ["batch", 1, 32, 32] and meta["parity"]["max_abs_diff"] < 1e-3
 
 
+def test_predict_on_a_model_of_ones_own_task_says_it_needs_an_image_classifier(shapes_run, tmp_path):
+    from PIL import Image
+
+    Image.new("L", (32, 32)).save(tmp_path / "shape.png")
+    proc = launch("single", 1, BIN / "hvd-train", "predict", shapes_run, tmp_path / "shape.png", "--trust-code",
+                  cwd=SHAPES, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "needs an image classifier" in proc.stderr and "--task shapes:FindTheRectangle" in proc.stderr, proc.stderr
+
+
 def test_the_benchmark_times_a_task_whose_batches_are_dicts(tmp_path, app, monkeypatch):
     monkeypatch.chdir(SHAPES)
     result = app("--benchmark", "--model", "shapes:model", "--task", "shapes:FindTheRectangle", "--dataset",
