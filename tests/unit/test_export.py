@@ -233,3 +233,61 @@ def test_a_checkpoint_from_before_model_cards_is_still_understood(runs, tmp_path
     assert [t["index"] for t in new] == [t["index"] for t in old]
     assert [t["probability"] for t in new] == pytest.approx([t["probability"] for t in old])
     assert [t["class"] for t in old] == [str(t["index"]) for t in old]
+
+
+class KeywordModel(torch.nn.Module):
+    """forward(ids, mask=None, types=None), called with ids and types: the inputs go by name, a sequence's length
+    free."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, ids, mask=None, types=None):
+        return self.head((self.embed(ids) + self.embed(types)).mean(1))
+
+
+class CallsByKeyword:
+    class task:
+        @staticmethod
+        def loss(model, batch):
+            return model(batch["ids"], types=batch["types"])
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
+def test_inputs_given_by_keyword_past_one_left_out_export_by_name_with_the_sequence_free(tmp_path, fmt):
+    from hvd_train.tools.export import described_inputs, model_input, write_onnx, write_torchscript
+    from hvd_train.tools.inference import _eager
+
+    torch.manual_seed(0)
+    model = KeywordModel().eval()
+    batch = {"ids": torch.randint(0, 10, (3, 5)), "types": torch.randint(0, 10, (3, 5))}
+    inputs = model_input(model, CallsByKeyword, batch)
+    assert inputs.keywords and list(inputs.tensors) == ["ids", "types"]
+    path = tmp_path / f"model.{fmt}"
+    (write_onnx if fmt == "onnx" else write_torchscript)(model, inputs, str(path))
+    other = {"ids": torch.randint(0, 10, (4, 7)), "types": torch.randint(0, 10, (4, 7))}
+    with torch.no_grad():
+        expected = model(other["ids"], types=other["types"])
+    if fmt == "onnx":
+        assert [i["shape"] for i in described_inputs(fmt, str(path), inputs)] == [["batch", "sequence"]] * 2
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        got = torch.from_numpy(session.run(None, {k: v.numpy() for k, v in other.items()})[0])
+    else:
+        from hvd_train.tools.inference import ModelInputs
+
+        got = _eager(torch.jit.load(str(path)))(ModelInputs(other, keywords=True))[0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_an_argument_that_is_not_a_tensor_is_refused_by_name():
+    from hvd_train.tools.export import ExportError, model_input
+
+    class Flagged:
+        class task:
+            @staticmethod
+            def loss(model, batch):
+                return model(batch, mask="all")
+
+    with pytest.raises(ExportError, match="mask='all', which is not a tensor"):
+        model_input(KeywordModel(), Flagged, torch.zeros(2, 3, dtype=torch.long))
