@@ -162,7 +162,7 @@ def build_summary(cfg, rt, task, state, lr, fingerprints, run_dir):
                                   {"epoch": state.saved_epoch, "end_of_epoch": True})
     if state.saves is not None:
         summary["checkpoints_within_epochs"] = state.saves
-    if "val_acc1" in last:
+    if task.shown.get("acc1") and "val_acc1" in last:  # the built-in task's top-1 (a task of one's own: final_val)
         summary["best_val_acc1"] = max(r["val_acc1"] for r in history)
         summary["final_val_acc1"] = last["val_acc1"]
     return summary
