@@ -166,7 +166,8 @@ def try_a_sample(model, task, info, device, cfg):
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        # Eager even under --compile: compiling for this one sample would cost a compilation of its own.
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             _, logits = task.task.loss(model, batch)
     except ConfigError as e:  # the task's own refusal of these samples or outputs
         raise ConfigError(f"--dataset {cfg.data.dataset}, --model {cfg.model.name}: {e}") from None
