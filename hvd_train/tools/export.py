@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.data import default_collate
 
-from hvd_train.data import DataError
+from hvd_train.data import FROM_FILES, DataError
 from hvd_train.data.shard_index import ShardSet
 from hvd_train.data.shards import first_batch
 from hvd_train.config import config_from_dict
@@ -106,8 +106,10 @@ def validation_batch(ckpt, model, count, data_dir, where, trusted):
     else:
         batch = default_collate([val_set[i] for i in range(count)])
     inputs = model_input(model, task, batch)
-    where = "" if cfg.data.dataset in ("digits", "synthetic") else \
-        f" ({redact_all(cfg.data.val_shards) if isinstance(val_set, ShardSet) else cfg.data.data_dir})"
+    # Where the samples were read: the shards, or the folder of a data set kept in files (a user's data set reads
+    # where its own arguments say).
+    where = f" ({redact_all(cfg.data.val_shards)})" if isinstance(val_set, ShardSet) else \
+        f" ({cfg.data.data_dir})" if cfg.data.dataset in FROM_FILES else ""
     return Batch(inputs, f"{count} validation samples of {cfg.data.dataset}{where}")
 
 
