@@ -90,9 +90,8 @@ def facts_of(dataset, info, dataset_name):
     or the samples' structure and the data set's own facts (any other data set)."""
     base = dataset.dataset if isinstance(dataset, Subset) else dataset
     # Facts that do not apply (a text data set has no channels) are left out, not written as null.
-    facts = {k: v for k, v in (("num_classes", info.num_classes), ("in_channels", info.in_channels),
-                               ("image_size", info.image_size)) if v is not None}
-    facts = {"source": dataset_name, **facts}
+    known = (("num_classes", info.num_classes), ("in_channels", info.in_channels), ("image_size", info.image_size))
+    facts = {"source": dataset_name, **{k: v for k, v in known if v is not None}}
     if isinstance(base, ImageTensorDataset):
         facts.update(transform="arrays", mean=base.mean.flatten().tolist(), std=base.std.flatten().tolist())
     elif hasattr(base, "samples") and hasattr(base, "classes"):

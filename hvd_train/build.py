@@ -179,11 +179,11 @@ def try_a_sample(model, task, info, device, cfg):
             from None
     finally:
         model.train(was_training)
-    if task.name == "classification" and (logits.dim() != 2 or logits.shape[0] != tasks.samples_in(batch)):
+    samples = tasks.samples_in(batch)
+    if task.name == "classification" and (logits.dim() != 2 or logits.shape[0] != samples):
         raise ConfigError(f"--model {cfg.model.name}: the classification task takes logits of shape (batch, "
-                          f"classes), and the model returned {list(logits.shape)} for a batch of "
-                          f"{tasks.samples_in(batch)}; return one row of class scores per sample, or give your own "
-                          f"--task")
+                          f"classes), and the model returned {list(logits.shape)} for a batch of {samples}; return "
+                          f"one row of class scores per sample, or give your own --task")
     left = [n for n, p in model.named_parameters() if is_lazy(p)]
     if left:
         raise ConfigError(f"--model={cfg.model.name}: lazy parameter(s) {', '.join(left[:3])} were not used by "

@@ -176,8 +176,8 @@ class RunTask:
         self.best_metric, self.best_mode = task.best_metric, task.best_mode
         # Metrics the task labels for people, shown in percent ({"acc1": "top-1"}); the others by their own names.
         self.shown = {k: v for k, v in dict(getattr(task, "shown", {})).items() if k in self.metrics}
-        shown = self.terms if self.terms != ("loss",) else ()
-        self.keys = ("count", "loss") + shown + self.metrics
+        split = self.terms if self.terms != ("loss",) else ()  # terms reported beside their sum
+        self.keys = ("count", "loss") + split + self.metrics
 
     def finish(self, means):
         """An epoch's means (from hvd_train.run.best.averages) with the task's derived figures added."""

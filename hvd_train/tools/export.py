@@ -135,12 +135,13 @@ def model_input(model, task, batch):
         raise ExportError(f"the task ({type(task).__name__}) did not call the model on a validation batch, so its "
                           f"input is unknown")
     args, kwargs = seen[0]
+    signature = inspect.signature(model.forward)
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
     except (TypeError, ValueError) as e:
         raise ExportError(f"the task's call of the model does not fit its forward() ({e})") from None
     named = dict(bound.arguments)
-    params = inspect.signature(model.forward).parameters
+    params = signature.parameters
     spread = [n for n in named if params[n].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
     if spread:
         raise ExportError(f"the model's forward() takes its inputs through *{spread[0]}; an export names each input: "
