@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset, default_collate
 
-from hvd_train.data import shard_index, shards
+from hvd_train.data import photos, shard_index, shards
 from hvd_train.data.augment import SeededBatches, SeededSamples
 from hvd_train.data.catalog import CHOICES, DATASETS, FROM_FILES, find_dataset, native_size
 from hvd_train.data.errors import BadSampleError, DataError
@@ -55,6 +55,7 @@ class LoaderSpec:
     image_size: int = 0       # tar shards: the size images are brought to (0: the index's)
     shuffle_buffer: int = 1000  # tar shards: samples held to shuffle the stream
     drop_last: bool = False   # training: drop each rank's last incomplete batch (--data.drop_last)
+    decode: str = "cpu"       # photos: "cpu" in the workers, "gpu" on the device, "auto": gpu where they are photos
 
 
 def _held_out(train, val, presplit, dc, where):
@@ -125,7 +126,8 @@ def _worker_context(workers):
 
 
 # What a worker needs to unpickle the data sets and run their transforms, besides what the main script imports.
-WORKER_MODULES = ("hvd_train.data", "torchvision.transforms", "timm.data", "PIL.Image", "numpy")
+WORKER_MODULES = ("hvd_train.data", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.io", "timm.data",
+                  "PIL.Image", "numpy")
 
 
 def _imported_by_main():
@@ -154,19 +156,42 @@ def build_loaders(train_set, val_set, spec, rank, world_size, train_sampler=None
                   generator=torch.Generator().manual_seed(spec.seed))
     # Each training sample's random transforms are seeded from (seed, epoch, index): the same with any number of
     # workers and after a resume (data/augment.py).
+    train_set, val_set, collate = decoded_where(train_set, val_set, spec)
     train_loader = DataLoader(SeededSamples(train_set),
                               batch_sampler=SeededBatches(train_sampler, spec.batch_size, spec.seed, spec.drop_last),
-                              **common)
-    val_loader = DataLoader(val_set, sampler=val_sampler, batch_size=spec.batch_size, **common)
+                              collate_fn=collate, **common)
+    val_loader = DataLoader(val_set, sampler=val_sampler, batch_size=spec.batch_size, collate_fn=collate, **common)
     return train_loader, val_loader, train_sampler
+
+
+def decoded_where(train_set, val_set, spec):
+    """(train, val, collate): the sets as they are, or with their photos left for the device to decode where
+    spec.decode says so (data/photos.py); data that are not photos are refused for "gpu"."""
+    if spec.decode == "cpu":
+        return train_set, val_set, None
+    views = photos.on_device(train_set), photos.on_device(val_set)
+    if None in views:
+        if spec.decode == "gpu":
+            raise DataError("data.decode (--data.decode)=gpu decodes photos (image folders and their tar shards); "
+                            "this data set's samples are not: pass --data.decode cpu or auto")
+        return train_set, val_set, None
+    return views[0], views[1], photos.collate_encoded
 
 
 def shard_loaders(train_set, val_set, spec, rank, world_size):
     size = spec.image_size or train_set.facts.get("image_size")
     place = shards.Place(spec.seed, rank, world_size, spec.workers, spec.batch_size)
-    loaders = [shards.ShardLoader(split, spec, place,
-                                  shards.transform_for(split.facts, size, split.train, split.augment),
-                                  _worker_context(spec.workers)) for split in (train_set, val_set)]
+    transforms = [shards.transform_for(split.facts, size, split.train, split.augment) for split in (train_set,
+                                                                                                    val_set)]
+    if spec.decode != "cpu":
+        if isinstance(transforms[0], photos.PhotoTransform):
+            transforms = [transform.on_device() for transform in transforms]
+        elif spec.decode == "gpu":
+            raise DataError("data.decode (--data.decode)=gpu decodes photos; these shards hold "
+                            f"{train_set.facts.get('source', 'other samples')}, not photos: pass --data.decode cpu "
+                            "or auto")
+    loaders = [shards.ShardLoader(split, spec, place, transform, _worker_context(spec.workers))
+               for split, transform in zip((train_set, val_set), transforms)]
     return loaders[0], loaders[1], loaders[0]
 
 

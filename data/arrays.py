@@ -7,9 +7,12 @@ from torch.utils.data import Dataset
 
 
 class ImageTensorDataset(Dataset):
-    """uint8 or float images (N, C, H, W) and integer labels; returns float images, resized and normalized.
+    """uint8 or float images (N, C, H, W) and integer labels, resized to image_size.
 
-    Keeping uint8 in memory (CIFAR-10: 150 MB instead of 600 MB) and converting per sample costs little.
+    uint8 images (CIFAR, MNIST, STL-10) stay uint8 through resize and augmentation: the loader hands uint8 batches
+    to the device, which normalizes them with this data set's mean and std (hvd_train/feed.py), a quarter of the
+    bytes of float32 and no per-pixel float work in the loader. Float images (the digits: values 0..16) are scaled
+    by `scale` and normalized here, as the device cannot tell their range.
     augmented() gives a view of the same tensors whose samples are augmented (data/augment.py), for training.
     """
 
@@ -37,12 +40,17 @@ class ImageTensorDataset(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index):
-        image = self.images[index].float() / self.scale
+        image = self.images[index]
+        if image.dtype != torch.uint8:
+            image = image.float() / self.scale
         if self.image_size and image.shape[-1] != self.image_size:
-            image = F.interpolate(image.unsqueeze(0), size=(self.image_size, self.image_size), mode="bilinear",
-                                  align_corners=False, antialias=True).squeeze(0)
+            from torchvision.transforms.v2 import functional as TF  # uint8 antialiased resize, as for floats
+
+            image = TF.resize(image, [self.image_size, self.image_size], antialias=True)
         if self.augment is not None:
             image = self.augment(image)
+        if image.dtype == torch.uint8:
+            return image, self.labels[index]
         image = (image - self.mean) / self.std
         if self.erase is not None:
             image = self.erase(image)

@@ -54,9 +54,9 @@ class Augmentation:
         return bool(self.aa or self.color_jitter or self.reprob)
 
     def tensor_transform(self, kind, size, mean, std):
-        """For images as float tensors (C, H, W) in [0, 1]: the kind's geometric default, then timm's policies;
-        None where augmentation is off. Normalization (and erasing, which works on normalized tensors) follow in
-        the data set (see erasing())."""
+        """For uint8 images (C, H, W): the kind's geometric default, then timm's policies; None where augmentation
+        is off. Normalization and random erasing (which works on normalized images) follow on the device
+        (hvd_train/feed.py)."""
         if not self.enabled:
             return None
         from torchvision.transforms import v2 as T
@@ -161,8 +161,8 @@ def _three(mean):
 
 
 class ThroughPIL:
-    """A PIL transform (timm's policies) applied to a float (C, H, W) image in [0, 1]; grey images are given three
-    channels for it and made grey again."""
+    """A PIL transform (timm's policies) applied to a uint8 (C, H, W) image, or a float one in [0, 1]; grey images
+    are given three channels for it and made grey again."""
 
     def __init__(self, transform):
         self.transform = transform
@@ -170,10 +170,11 @@ class ThroughPIL:
     def __call__(self, image):
         from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 
-        grey = image.shape[0] == 1
-        pil = to_pil_image((image.clamp(0, 1) * 255).round().to(torch.uint8))
+        grey, floats = image.shape[0] == 1, image.is_floating_point()  # floats: in [0, 1] (the digits)
+        pil = to_pil_image((image.clamp(0, 1) * 255).round().to(torch.uint8) if floats else image)
         out = self.transform(pil.convert("RGB") if grey else pil)
-        return pil_to_tensor(out.convert("L") if grey else out).float() / 255.0
+        out = pil_to_tensor(out.convert("L") if grey else out)
+        return out.float() / 255.0 if floats else out
 
 
 def derived_seed(*parts, size=8):

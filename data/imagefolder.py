@@ -20,25 +20,20 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, the usua
 
 
 def transforms(image_size, train, augment=None):
-    """Training: RandomResizedCrop and flip, through timm's factory where --aa, --color-jitter or --reprob ask for
-    more (augment: a data.augment.Augmentation; off: the evaluation transforms). Evaluation: resize, center crop."""
-    from torchvision import transforms as T
+    """A file's path (or its bytes) -> uint8 (3, size, size) (data/photos.py). Training: RandomResizedCrop and flip,
+    then timm's policy or colour jitter where --aa or --color-jitter ask for them (augment: a
+    data.augment.Augmentation; off: the evaluation transform). Evaluation: resize, centre crop. Normalisation and
+    random erasing happen on the device (hvd_train/feed.py)."""
+    from hvd_train.data.photos import PhotoTransform
 
     train = train and (augment is None or augment.enabled)
-    if train and augment is not None and augment.extra:
-        from timm.data.transforms_factory import transforms_imagenet_train
+    policy = augment.pil_policy(image_size, MEAN) if train and augment is not None else None
+    return PhotoTransform(image_size, train, policy)
 
-        from hvd_train.data.augment import fix_posterize
 
-        fix_posterize()
-        return transforms_imagenet_train(image_size, hflip=0.5, color_jitter=augment.color_jitter or None,
-                                         auto_augment=augment.aa or None, interpolation="bilinear", mean=MEAN, std=STD,
-                                         re_prob=augment.reprob, re_mode=augment.remode, re_count=augment.recount)
-    if train:
-        steps = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()]
-    else:
-        steps = [T.Resize(int(round(image_size * 256 / 224))), T.CenterCrop(image_size)]
-    return T.Compose(steps + [T.ToTensor(), T.Normalize(MEAN, STD)])
+def path_of(path):
+    """ImageFolder's loader: the path itself, for the transform to read (it decodes only what its crop needs)."""
+    return path
 
 
 def read_image(path):
@@ -92,9 +87,9 @@ def load(data_dir, image_size, skip_bad_files=False, augment=None):
         return False
 
     try:
-        train = ClassFolders(train_dir, transform=transforms(image_size, True, augment), loader=read_image,
+        train = ClassFolders(train_dir, transform=transforms(image_size, True, augment), loader=path_of,
                              is_valid_file=keep)
-        val = ClassFolders(val_dir, transform=transforms(image_size, False), loader=read_image, is_valid_file=keep)
+        val = ClassFolders(val_dir, transform=transforms(image_size, False), loader=path_of, is_valid_file=keep)
     except FileNotFoundError as e:  # a class whose every image was left out as undecodable
         raise DataError(f"image folder {data_dir}: {e}; {len(bad)} file(s) do not decode, e.g. {bad[:1]}: fix them "
                         f"or remove those class folders") from None

@@ -68,9 +68,17 @@ class Preprocessing:
         return T.Compose(steps + [T.Normalize(self.mean, self.std)])
 
     def load(self, path):
-        """The image file at `path`, ready for the model (without the batch axis)."""
+        """The image file at `path`, ready for the model (without the batch axis). A photo (center_crop, 3 channels)
+        goes through validation's own code (data/photos.py), so predict sees what validation saw."""
+        import torch
         from PIL import Image
 
+        if self.resize == "center_crop" and self.channels == 3:
+            from hvd_train.data.photos import PhotoTransform
+
+            with open(path, "rb") as f:
+                pixels = PhotoTransform(self.image_size, train=False).from_bytes(f.read()).float() / 255.0
+            return (pixels - torch.tensor(self.mean).view(-1, 1, 1)) / torch.tensor(self.std).view(-1, 1, 1)
         with Image.open(path) as image:
             return self.transform()(as_mode(image, "L" if self.channels == 1 else "RGB"))
 

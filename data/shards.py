@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from hvd_train.data import photos
 from hvd_train.data.augment import derived_seed, seed_all
 from hvd_train.data.errors import UNREADABLE_IMAGE, BadSampleError
 from hvd_train.data.images import as_mode
@@ -42,11 +43,11 @@ IMAGE_KEYS = ("png", "jpg", "jpeg", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
 
 
 def transform_for(facts, image_size, train, augment=None):
-    """Photos (written from an image folder) get ImageFolder's transforms; arrays (CIFAR, MNIST, ...) are scaled to
-    image_size and normalized with their data set's mean and std, as when read from their files, and in training
-    augmented as the data set they were written from is (augment: (Augmentation, kind) or None); a user's samples
-    (any other data set) take none (None)."""
-    from torchvision import transforms as T
+    """Photos (written from an image folder) get ImageFolder's transform, on the image's bytes; arrays (CIFAR, MNIST,
+    ...) are brought to image_size and, in training, augmented as the data set they were written from is (augment:
+    (Augmentation, kind) or None). Both give uint8 images, normalized on the device with the index's mean and std
+    (hvd_train/feed.py). A user's samples (any other data set) take none (None)."""
+    from torchvision.transforms import v2 as T
 
     augmentation, kind = augment or (None, None)
     if facts.get("transform") == "samples":  # a user's samples come back as they were written: nothing to do
@@ -55,17 +56,14 @@ def transform_for(facts, image_size, train, augment=None):
         from hvd_train.data.imagefolder import transforms
 
         return transforms(image_size, train, augmentation)
-    steps = [T.ToTensor()]
+    steps = [T.PILToTensor()]
     if image_size != facts.get("image_size"):
         steps.append(T.Resize((image_size, image_size), antialias=True))
     channels = facts.get("in_channels", 3)
-    mean, std = facts.get("mean", [0.0] * channels), facts.get("std", [1.0] * channels)
-    erase = None
     if train and augmentation is not None and kind in ("natural", "digits"):
-        steps.append(augmentation.tensor_transform(kind, image_size, mean, std))
-        erase = augmentation.erasing()
-    steps.append(T.Normalize(mean, std))
-    return T.Compose([step for step in steps + [erase] if step is not None])
+        steps.append(augmentation.tensor_transform(kind, image_size, facts.get("mean", [0.0] * channels),
+                                                   facts.get("std", [1.0] * channels)))
+    return T.Compose([step for step in steps if step is not None])
 
 
 def rebuild(sample, shape, url, prefix=""):
@@ -88,19 +86,24 @@ def rebuild(sample, shape, url, prefix=""):
     return tuple(items) if kind == "tuple" else items
 
 
-def decode(sample, url, channels):
-    """(PIL image, class) from one tar sample."""
-    from PIL import Image
-
+def encoded(sample, url):
+    """(image bytes, class, the image's field) from one tar sample."""
     image_key = next((k for k in IMAGE_KEYS if k in sample), None)
     if image_key is None or "cls" not in sample:
         files = sorted(k for k in sample if not k.startswith("__"))
         raise BadSampleError(f"shard {url}: sample {sample.get('__key__')} has {files}; each needs an image "
                              f"({', '.join(IMAGE_KEYS[:3])}, ...) and a .cls file")
+    return sample[image_key], int(sample["cls"]), image_key
+
+
+def decode(sample, url, channels):
+    """(PIL image, class) from one tar sample."""
+    from PIL import Image
+
+    data, label, image_key = encoded(sample, url)
     try:
-        with Image.open(io.BytesIO(sample[image_key])) as image:
-            image = as_mode(image, "L" if channels == 1 else "RGB")
-        return image, int(sample["cls"])
+        with Image.open(io.BytesIO(data)) as image:
+            return as_mode(image, "L" if channels == 1 else "RGB"), label
     except UNREADABLE_IMAGE as e:
         raise BadSampleError(f"shard {url}: sample {sample['__key__']}.{image_key} does not decode ({e}); rewrite "
                              f"the shard") from None
@@ -169,21 +172,31 @@ class ShardStream(IterableDataset):
         sample, url = raw
         if self.structure is not None:
             return rebuild(sample, self.structure, url)
-        image, label = decode(sample, url, self.shards.facts.get("in_channels", 3))
+        if self.shards.facts.get("transform") == "photos":  # the transform decodes the bytes (data/photos.py)
+            image, label, _ = encoded(sample, url)
+        else:
+            image, label = decode(sample, url, self.shards.facts.get("in_channels", 3))
         if not self.shards.train:
-            return self.transform(image), label
+            return self.transformed(image, sample, url), label
         if in_worker:  # nothing else draws in a loader worker
             seed_all(derived_seed(*key))
-            return self.transform(image), label
+            return self.transformed(image, sample, url), label
         # In the training process the generators are put back after, so dropout draws as it would without shards.
         python, numpy = random.getstate(), np.random.get_state()
         try:
             with torch.random.fork_rng(devices=[]):
                 seed_all(derived_seed(*key))
-                return self.transform(image), label
+                return self.transformed(image, sample, url), label
         finally:
             random.setstate(python)
             np.random.set_state(numpy)
+
+    def transformed(self, image, sample, url):
+        try:
+            return self.transform(image)
+        except UNREADABLE_IMAGE as e:  # photos' bytes that do not decode
+            raise BadSampleError(f"shard {url}: sample {sample['__key__']} does not decode ({e}); rewrite the "
+                                 f"shard") from None
 
     def samples(self, shard_indices):
         """(tar fields, url) of each sample of the shards, in order; a shard that cannot be read, or that holds
@@ -246,6 +259,8 @@ def shuffled(samples, size, rng):
 
 
 def collate(batch):
+    if isinstance(batch[0][0], photos.Encoded):  # photos left for the device to decode (--data.decode)
+        return photos.collate_encoded(batch)
     return torch.stack([image for image, _ in batch]), torch.tensor([label for _, label in batch])
 
 

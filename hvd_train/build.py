@@ -11,7 +11,7 @@ import hvd_utils
 from hvd_train.data import LoaderSpec
 from hvd_train import tasks
 from hvd_train.datasets import build_datasets, dataset_factory
-from hvd_train.batches import to_device
+from hvd_train.feed import Feed, image_figures
 from hvd_train.config import OPTIMIZERS
 from hvd_train.errors import ConfigError
 from hvd_train.plugins import call, is_import_path, resolve, takes
@@ -159,7 +159,7 @@ def try_a_sample(model, task, info, device, cfg):
     lazy = any(is_lazy(p) for p in model.parameters())
     if not (lazy or task.name == "classification") or info.example is None:
         return
-    batch = to_device(info.example(), device)
+    batch = Feed(device, *image_figures(info))(info.example())
     if task.name == "classification" and isinstance(batch, dict) and (cfg.aug.mixup or cfg.aug.cutmix):
         raise ConfigError(f"--{'mixup' if cfg.aug.mixup else 'cutmix'} mixes images, and the samples of "
                           f"{cfg.data.dataset} are dicts ({', '.join(sorted(batch))}); leave it out")
@@ -213,7 +213,29 @@ def loader_spec(cfg, device):
     """The loaders' settings: a step's samples per rank (batch x batches per allreduce), seed, workers."""
     return LoaderSpec(batching(cfg, 1).per_rank, cfg.run.seed, cfg.data.workers,
                       pin_memory=device.type == "cuda", image_size=cfg.data.image_size,
-                      shuffle_buffer=cfg.data.shuffle_buffer, drop_last=cfg.data.drop_last)
+                      shuffle_buffer=cfg.data.shuffle_buffer, drop_last=cfg.data.drop_last,
+                      decode=decode_place(cfg, device))
+
+
+def decode_place(cfg, device):
+    """Where photos are decoded (--data.decode): "gpu", "cpu", or "auto" (the GPU where the data are photos). timm's
+    policies and colour jitter work on PIL images, which only the CPU path makes."""
+    policy = "--aa" if cfg.aug.aa else "--color-jitter" if cfg.aug.color_jitter else ""
+    policy = "" if cfg.aug.no_aug else policy
+    if cfg.data.decode == "gpu":
+        if device.type != "cuda":
+            raise ConfigError(f"data.decode (--data.decode)=gpu: this run trains on {device.type}; nvjpeg needs a "
+                              f"GPU: leave it at auto or pass cpu")
+        if policy:
+            raise ConfigError(f"data.decode (--data.decode)=gpu: {policy} is a policy on PIL images, which only the "
+                              f"loader workers make: pass --data.decode cpu (or auto), or leave out {policy}")
+        return "gpu"
+    if cfg.data.decode == "auto" and device.type == "cuda":
+        if policy:
+            log.info("photos are decoded in the loader workers (--data.decode auto): %s needs PIL images", policy)
+            return "cpu"
+        return "auto"
+    return "cpu"
 
 
 def prepare_data(cfg):

@@ -18,7 +18,8 @@ from hvd_train.guards import watchdog
 from hvd_train.errors import NonFiniteLossError
 from hvd_train.run.best import averages
 from hvd_train.progress import Progress, on_terminal
-from hvd_train.batches import autocast, split_batch, to_device
+from hvd_train.batches import autocast, split_batch
+from hvd_train.feed import Feed
 
 log = logging.getLogger("hvd_train")
 
@@ -57,6 +58,7 @@ class Trainer:
     profiler: Optional[object] = None  # --profile: hvd_train.profiling.StepProfiler, told of every step
     ema: Optional[object] = None     # --model-ema: hvd_train.regularize.WeightAverage, updated after every step
     mixing: Optional[object] = None  # --mixup/--cutmix: hvd_train.regularize.Mixing, applied to every batch
+    feed: Optional[object] = None    # hvd_train.feed.Feed: batches to the device, images normalized (None: moved)
 
 
 class Hooks:
@@ -171,10 +173,9 @@ def train_one_epoch(trainer, loader, epoch, hooks):
     # A bar where a person watches a terminal; whole lines every progress_every seconds in a log.
     progress = Progress(epoch, t.epochs, steps, opts.show_progress, opts.progress_every, opts.terminal, done)
     start, seen_before = time.perf_counter(), float(carried.get("count", 0.0))
-    for step, batch in enumerate(loader, done + 1):
+    for step, batch in enumerate(feed_of(t).batches(loader, epoch, done + 1), done + 1):
         watchdog.tick()  # a batch in hand
         t.schedule.apply(t.optimizer, hooks.position(epoch, step - 1, steps))
-        batch = to_device(batch, t.device)
         if t.mixing is not None:
             batch = t.mixing(batch, epoch, step)
         _add(total, train_step(t, batch), t.device)
@@ -232,23 +233,34 @@ def check_divergence(train, epoch, first, factor):
 
 
 @torch.no_grad()
-def evaluate(model, task, loader, device, amp="off"):
-    """Evaluate on this rank's shard; returns this rank's metric sums."""
+def evaluate(model, task, loader, feed, amp="off"):
+    """Evaluate on this rank's shard; returns this rank's metric sums. feed: a hvd_train.feed.Feed, or the device
+    for batches that only move there."""
+    feed = as_feed(feed)
     model.eval()
     total = {}
-    for batch in loader:
+    for batch in feed.batches(loader):
         watchdog.busy()  # validation shards differ in size, so these batches are not counted progress points
-        with autocast(device, amp):
-            _, sums = task.step(model, to_device(batch, device))
-        _add(total, sums, device)
+        with autocast(feed.device, amp):
+            _, sums = task.step(model, batch)
+        _add(total, sums, feed.device)
     return total
 
 
-def evaluate_all(model, task, loader, device, amp="off"):
+def evaluate_all(model, task, loader, feed, amp="off"):
     """Evaluate across all ranks: exact global metrics (one allreduce; a rank with no samples adds zeros)."""
-    local = evaluate(model, task, loader, device, amp)
+    local = evaluate(model, task, loader, feed, amp)
     watchdog.tick()  # validation done
     return task.finish(averages(reduce_sums(task, local, name="val_sums")))
+
+
+def as_feed(feed):
+    return Feed(feed) if isinstance(feed, torch.device) else feed
+
+
+def feed_of(trainer):
+    """The trainer's feed; a plain move to its device where it has none (a Trainer built by hand)."""
+    return trainer.feed if trainer.feed is not None else Feed(trainer.device)
 
 
 def reduce_sums(task, local, name):
@@ -295,11 +307,11 @@ def close_epoch(trainer, train_sums, val_loader, timing):
     check_divergence(train, timing.epoch, timing.first_loss, t.opts.divergence_factor)
     epoch_seconds = time.perf_counter() - timing.start
     hvd_utils.average_buffers(t.model)  # BatchNorm statistics agree before validation and checkpoints
-    val = evaluate_all(t.model, t.task, val_loader, t.device, t.opts.amp)
+    val = evaluate_all(t.model, t.task, val_loader, feed_of(t), t.opts.amp)
     record = epoch_record(timing.epoch, timing.lr, epoch_seconds, train, val)
     if t.ema is not None:  # the average, validated beside the weights (its statistics agree first, as theirs)
         hvd_utils.average_buffers(t.ema.module)
-        ema = evaluate_all(t.ema.module, t.task, val_loader, t.device, t.opts.amp)
+        ema = evaluate_all(t.ema.module, t.task, val_loader, feed_of(t), t.opts.amp)
         record.update({f"val_ema_{k}": v for k, v in ema.items()})
     log.info(format_record(timing.epoch, t.epochs, train, val, record, t.task.shown))
     return record

@@ -19,6 +19,7 @@ from hvd_train.checks import check_shards
 from hvd_train.data import DataInfo, LoaderSpec, build_loaders, check_world, is_streamed
 from hvd_train.data import continue_epoch as continue_epoch_of
 from hvd_train.engine import Hooks, StepOptions, Trainer
+from hvd_train.feed import Feed
 from hvd_train import engine
 from hvd_train.regularize import Mixing, weight_average
 from hvd_train.run.reporting import finish as write_summary, log_rescale, log_setup
@@ -96,7 +97,7 @@ def trainer(cfg, info, rt, model, task, optimizer):
                    schedule=LRSchedule(cfg.optim, batching(cfg, rt.size).lr_scale), device=rt.device,
                    opts=StepOptions.from_config(cfg, rt.is_main), epochs=cfg.optim.epochs,
                    scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None,
-                   ema=weight_average(cfg, model), mixing=mixing)
+                   ema=weight_average(cfg, model), mixing=mixing, feed=Feed.of_run(cfg, info, rt.device, rt.rank))
 
 
 @dataclass

@@ -15,6 +15,7 @@ SHARDABLE = ("sgd", "momentum", "nesterov", "adam", "adamw", "nadam", "nadamw", 
              "rmsprop", "rmsproptf", "adagrad")
 ERASE_MODES = ("const", "rand", "pixel")
 AMP_MODES = ("off", "bf16", "fp16")
+DECODES = ("auto", "cpu", "gpu")  # where photos are decoded (data/photos.py)
 DEVICES = ("auto", "cuda", "cpu")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 PROFILE_RANKS = ("0", "all")

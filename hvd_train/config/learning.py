@@ -3,7 +3,7 @@ regularisation."""
 
 from dataclasses import dataclass
 
-from hvd_train.config.fields import (AMP_MODES, COMPILE_MODES, ERASE_MODES, LR_SCHEDULES, MAX_IMAGE_SIDE, MAX_WORKERS,
+from hvd_train.config.fields import (AMP_MODES, COMPILE_MODES, DECODES, ERASE_MODES, LR_SCHEDULES, MAX_IMAGE_SIDE, MAX_WORKERS,
                                      OPTIMIZERS, _Section, _choice, _require, opt)
 
 
@@ -26,6 +26,10 @@ class DataConfig(_Section):
     drop_last: bool = opt(True, "drop each rank's last incomplete training batch, as timm's loader does (a full-rate "
                           "step on a handful of samples jolts the weights; the shuffle drops others each epoch); "
                           "false: every sample every epoch. Tar shards always train on full batches")
+    decode: str = opt("auto", "photos (image folders, their tar shards): where JPEGs are decoded, cropped and "
+                      "flipped: cpu (in the loader workers), gpu (in the training process, with nvjpeg, a batch at a "
+                      "time), auto (gpu when training on a GPU, except where --aa or --color-jitter need the CPU's "
+                      "PIL images)", choices=DECODES)
     skip_bad_files: bool = opt(False, "imagefolder: decode every image once at start and leave out those that fail")
     train_shards: str = opt("", "shards: the training shards, a path, http(s):// URL or pipe: command with braces "
                             "for a range, e.g. 'shards/train-{000000..000099}.tar'")
@@ -44,6 +48,7 @@ class DataConfig(_Section):
                  "must be a size in pixels, or 0 for the data set's own")
         _require(0.0 < self.val_fraction < 1.0, "data.val_fraction", self.val_fraction,
                  "must be between 0 and 1 (exclusive), e.g. 0.2 for a 20% validation split")
+        _choice("data.decode", self.decode, DECODES)
         _require(0 <= self.workers <= MAX_WORKERS, "data.workers (--workers)", self.workers,
                  f"must be 0 to {MAX_WORKERS} loader processes per rank (2 to 8 keep a GPU fed)")
         _require(self.image_size <= MAX_IMAGE_SIDE, "data.image_size (--image-size)", self.image_size,

@@ -19,7 +19,7 @@ from hvd_train.data import DataInfo, is_streamed, native_size
 from hvd_train import training
 from hvd_train.build import attach_profiler, prepare_data
 from hvd_train.schedule import batching
-from hvd_train.batches import to_device
+from hvd_train.feed import Feed, image_figures
 from hvd_train.engine import Hooks, train_one_epoch
 from hvd_train.errors import ConfigError, NonFiniteLossError
 from hvd_train.plugins import is_import_path
@@ -31,11 +31,12 @@ from hvd_train.models import MODELS as SMALL_MODELS, is_channels_last
 log = logging.getLogger("hvd_train")
 
 
-def samples_batch(cfg, train_set, device):
+def samples_batch(cfg, train_set, info, device):
     """One batch of the data set's own first samples (cycled where it has fewer), collated as the loader collates
-    them, held on the device: a user's task may take any sample structure (dicts, nested), which only its data has."""
+    them, held on the device as the feed hands batches to the model: a user's task may take any sample structure
+    (dicts, nested), which only its data has."""
     n = batching(cfg, 1).per_rank
-    return to_device(default_collate([train_set[i % len(train_set)] for i in range(n)]), device)
+    return Feed(device, *image_figures(info))(default_collate([train_set[i % len(train_set)] for i in range(n)]))
 
 
 def uses_own_data(cfg):
@@ -139,7 +140,7 @@ def run(cfg, rt):
              ", channels-last" if cfg.model.channels_last else "",
              f", torch.compile mode {cfg.model.compile_mode}" if cfg.model.compile else "")
 
-    batch = samples_batch(cfg, train_set, rt.device) if uses_own_data(cfg) else synthetic_batch(cfg, info, rt.device)
+    batch = samples_batch(cfg, train_set, info, rt.device) if uses_own_data(cfg) else synthetic_batch(cfg, info, rt.device)
     first_step_seconds, rates = time_iterations(trainer, batch, b)
     if trainer.profiler is not None:
         trainer.profiler.close()

@@ -7,6 +7,7 @@ from hvd_train.data import build_loaders
 from hvd_train.build import build_model_for, build_task, loader_spec, prepare_data
 from hvd_train.engine import evaluate_all
 from hvd_train.errors import CheckpointError
+from hvd_train.feed import Feed
 from hvd_train.regularize import weight_average
 from hvd_train.run.directory import RunDir, write_json
 from hvd_train.run.state import checkpoint_fits, load_everywhere
@@ -25,10 +26,11 @@ def run(cfg, rt):
     model = build_model_for(cfg, info, rt.device)
     ema = weight_average(cfg, model)  # --model-ema runs: the checkpoint's average is measured too
     meta = load_everywhere(path, model, checkpoint_fits(cfg, info, task, continuing=False), ema=ema)
-    metrics = evaluate_all(model, task, val_loader, rt.device, cfg.optim.amp)
+    feed = Feed.of_run(cfg, info, rt.device, rt.rank)
+    metrics = evaluate_all(model, task, val_loader, feed, cfg.optim.amp)
     say(path, meta, "", metrics)
     if ema is not None:
-        averaged = evaluate_all(ema.module, task, val_loader, rt.device, cfg.optim.amp)
+        averaged = evaluate_all(ema.module, task, val_loader, feed, cfg.optim.amp)
         say(path, meta, " (the weights' average)", averaged)
         metrics.update({f"ema_{k}": v for k, v in averaged.items() if k != "count"})
     if rt.is_main:

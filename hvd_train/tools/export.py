@@ -27,6 +27,7 @@ from hvd_train.data.shard_index import ShardSet
 from hvd_train.data.shards import first_batch
 from hvd_train.config import config_from_dict
 from hvd_train.errors import CheckpointError, ConfigError, say
+from hvd_train.feed import Feed, image_figures
 from hvd_train.tools.inference import (FORMATS, SIDECAR, ModelInputs, export_runner, find_checkpoint, load_trained,
                                        outputs)
 from hvd_train.run.directory import temporary_beside, write_json
@@ -105,7 +106,7 @@ def validation_batch(ckpt, model, count, data_dir, where, trusted):
         batch = first_batch(val_set, cfg.data.image_size, count)
     else:
         batch = default_collate([val_set[i] for i in range(count)])
-    inputs = model_input(model, task, batch)
+    inputs = model_input(model, task, Feed(torch.device("cpu"), *image_figures(info))(batch))
     # Where the samples were read: the shards, or the folder of a data set kept in files (a user's data set reads
     # where its own arguments say).
     where = f" ({redact_all(cfg.data.val_shards)})" if isinstance(val_set, ShardSet) else \

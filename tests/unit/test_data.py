@@ -9,6 +9,7 @@ from torch.utils.data import TensorDataset
 
 from hvd_train.config import DataConfig
 from hvd_train.datasets import build_datasets
+from hvd_train.feed import Feed, image_figures
 from hvd_train.data import DataError, LoaderSpec, build_loaders
 from hvd_train.data.digits import load_digits_dataset, read_digits
 from hvd_train.data.samplers import ShardSampler
@@ -157,7 +158,8 @@ def test_mnist_and_fashion_mnist_read_the_idx_files_gzipped_or_not_where_torchvi
         images, labels = written[name]
         image, label = split[5]
         assert int(label) == labels[5]
-        assert torch.allclose(image[0], torch.from_numpy(images[5]).float() / 255)
+        assert image.dtype == torch.uint8 and torch.equal(image[0], torch.from_numpy(images[5]))
+        assert torch.allclose(fed(split[5], info)[0], torch.from_numpy(images[5]).float() / 255)
 
 
 @pytest.mark.parametrize("damage,message", [(lambda b: b[:-7], "truncated"),
@@ -178,6 +180,11 @@ def test_a_cut_gzip_file_is_named(tmp_path):
         build_datasets(DataConfig(dataset="mnist", data_dir=str(tmp_path)))
 
 
+def fed(sample, info):
+    """A sample as the model receives it: through the run's feed, which normalizes uint8 images on the device."""
+    return Feed(torch.device("cpu"), *image_figures(info))((sample[0][None], torch.zeros(1)))[0][0]
+
+
 def cifar_expected(images, index, mean, std):
     return (torch.from_numpy(images[index]).float() / 255 - torch.tensor(mean).view(3, 1, 1)) / \
         torch.tensor(std).view(3, 1, 1)
@@ -194,9 +201,12 @@ def test_cifar_python_version_as_torchvision_downloads_it(tmp_path, classes):
     images, labels = written[first]
     image, label = train[index]
     assert int(label) == labels[7 if classes == 10 else 27]  # CIFAR-100: the fine label
-    assert torch.allclose(image, cifar_expected(images, 7 if classes == 10 else 27, mean, std), atol=1e-6)
+    assert image.dtype == torch.uint8
+    assert torch.allclose(fed(train[index], info), cifar_expected(images, 7 if classes == 10 else 27, mean, std),
+                          atol=1e-5)
     images, labels = written["test_batch" if classes == 10 else "test"]
-    assert int(val[3][1]) == labels[3] and torch.allclose(val[3][0], cifar_expected(images, 3, mean, std), atol=1e-6)
+    assert int(val[3][1]) == labels[3]
+    assert torch.allclose(fed(val[3], info), cifar_expected(images, 3, mean, std), atol=1e-5)
 
 
 def test_cifar100_binary_version_reads_the_fine_label(tmp_path):
@@ -206,7 +216,7 @@ def test_cifar100_binary_version_reads_the_fine_label(tmp_path):
     images, fine = written["train"]
     assert [int(train[i][1]) for i in range(100)] == fine.tolist()
     mean, std = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
-    assert torch.allclose(train[42][0], cifar_expected(images, 42, mean, std), atol=1e-6)
+    assert torch.allclose(fed(train[42], info), cifar_expected(images, 42, mean, std), atol=1e-5)
 
 
 def test_a_cifar_pickle_that_would_run_code_is_refused_unrun(tmp_path):
@@ -234,7 +244,7 @@ def test_cifar10_reads_the_binary_batches(tmp_path):
     assert int(label) == labels[7]
     mean, std = torch.tensor([0.4914, 0.4822, 0.4465]), torch.tensor([0.2470, 0.2435, 0.2616])
     expected = (torch.from_numpy(images[7]).float() / 255 - mean.view(3, 1, 1)) / std.view(3, 1, 1)
-    assert torch.allclose(image, expected, atol=1e-6)
+    assert torch.allclose(fed(train[20 + 7], info), expected, atol=1e-5)
 
 
 def test_cifar10_truncated_file_is_named(tmp_path):
@@ -250,13 +260,14 @@ def test_stl10_reads_column_major_images_and_1_based_labels(tmp_path):
     train, val, info = build_datasets(DataConfig(dataset="stl10", data_dir=str(tmp_path), image_size=32))
     assert (len(train), len(val), info.image_size) == (12, 8, 32)
     assert train[0][0].shape == (3, 32, 32)
-    native, _, _ = build_datasets(DataConfig(dataset="stl10", data_dir=str(tmp_path)))
+    native, _, native_info = build_datasets(DataConfig(dataset="stl10", data_dir=str(tmp_path)))
     images, labels = written["train"]
     image, label = native[4]
     assert int(label) == labels[4] - 1
+    assert torch.equal(image, torch.from_numpy(images[4]))
     mean, std = torch.tensor([0.4467, 0.4398, 0.4066]), torch.tensor([0.2603, 0.2566, 0.2713])
-    assert torch.allclose(image * std.view(3, 1, 1) + mean.view(3, 1, 1), torch.from_numpy(images[4]).float() / 255,
-                          atol=1e-5)
+    assert torch.allclose(fed(native[4], native_info) * std.view(3, 1, 1) + mean.view(3, 1, 1),
+                          torch.from_numpy(images[4]).float() / 255, atol=1e-5)
 
 
 def test_image_folder_with_and_without_a_val_split(tmp_path):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import BIN, ROOT, job_env, run_app
-from hvd_train.data.imagefolder import transforms
+from hvd_train.data.imagefolder import MEAN, STD, transforms
+from hvd_train.feed import Feed
 from formats import write_image_folder
 
 PLUGIN = '''
@@ -92,12 +93,12 @@ def checkpoint_model(run_dir):
 
 
 def validation_images(root, run, count=8):
-    """The first photos of each class through the validation transform, as the run's validation saw them."""
-    from PIL import Image
-
+    """The first photos of each class through the validation transform and the feed, as the run's validation saw
+    them."""
     size = checkpoint_model(root / run)[1]["facts"]["image_size"]
     paths = sorted((root / "photos").glob("*/*.png"))[:count]
-    return paths, torch.stack([transforms(size, train=False)(Image.open(p).convert("RGB")) for p in paths])
+    pixels = torch.stack([transforms(size, train=False)(str(p)) for p in paths])
+    return paths, Feed(torch.device("cpu"), MEAN, STD)((pixels, torch.zeros(len(paths))))[0]
 
 
 def exported(run_dir, fmt, cwd):
