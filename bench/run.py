@@ -32,7 +32,7 @@ from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row
 PY = sys.executable
 BIN = os.path.dirname(PY)
 SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "mpi", "tuning", "compile", "accuracy", "data",
-            "recipe", "checkpoint", "shard", "memory")
+            "pipeline", "recipe", "checkpoint", "shard", "memory")
 APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
 APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
 # Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
@@ -646,6 +646,82 @@ def section_data(b):
     return [ratio_row(f"data, {names[source]}, --workers {workers}", f"loader img/s per rank / {model} {size}px "
                       f"batch {batch} training step img/s, 1 process", "> 1: loading keeps up",
                       rates[(source, workers)], steps) for source, workers in cases]
+
+
+def section_pipeline(b):
+    """The input pipeline on ImageNet-like JPEGs (bench/pipeline.py writes them): images/s one core makes for a
+    training step at 224 px, torchvision's default ImageFolder pipeline (the peer, and what the app ran before its
+    photos went as uint8) against the app's (decode, crop and flip to uint8, normalized by the feed; both in one
+    process, one thread); CIFAR-shaped arrays likewise. On a GPU: the app's loader with every core's workers,
+    decoding in the workers against on the GPU, and ResNet-50 (bf16, channels-last, compiled) trained from the
+    folder and from its shards against its own --benchmark rate."""
+    import torch
+
+    photos, shards = os.path.join(b.workdir, "imagenet_like"), os.path.join(b.workdir, "imagenet_like_shards")
+    count = 200 if b.args.quick else 6000 if torch.cuda.is_available() else 3000
+    run([PY, "bench/pipeline.py", "photos", photos, "--count", str(count)], job_env())
+    batches = ["--batch-size", "32", "--batches", "3" if b.args.quick else "20"]
+
+    def loader(path, workers=0, decode="cpu", size="224"):
+        out = b.out("pipeline") + ".json"
+        run([PY, "bench/pipeline.py", "loader", "--data-dir", photos, "--path", path, "--workers", str(workers),
+             "--decode", decode, "--image-size", size, "--out", out, *batches], job_env())
+        with open(out) as f:
+            return json.load(f)["img_per_sec"]
+
+    def arrays(path):
+        out = b.out("arrays") + ".json"
+        run([PY, "bench/pipeline.py", "arrays", "--path", path, "--batch-size", "128", "--out", out,
+             "--batches", "3" if b.args.quick else "40"], job_env())
+        with open(out) as f:
+            return json.load(f)["img_per_sec"]
+
+    xs, ys = b.alternate(lambda: loader("app"), lambda: loader("torchvision"))
+    rows = [ratio_row("pipeline, JPEG folder (500x375) to 224 px, one core", "app's loader img/s / torchvision's "
+                      "ImageFolder default pipeline img/s", ">= 1.5", xs, ys)]
+    xs, ys = b.alternate(lambda: arrays("app"), lambda: arrays("torchvision"))
+    rows.append(ratio_row("pipeline, CIFAR-shaped arrays, 32 px crop + flip, one core", "app's loader img/s / "
+                          "torchvision's CIFAR pipeline img/s", ">= 1", xs, ys))
+    if not torch.cuda.is_available():
+        return rows
+    cores = str(os.cpu_count() or 1)
+    batches[1] = "128"  # a GPU's batch
+    xs, ys = b.alternate(lambda: loader("app", cores, "gpu"), lambda: loader("app", cores, "cpu"))
+    rows.append(ratio_row(f"pipeline, JPEG folder to 224 px, batch 128, {cores} workers, "
+                          f"{torch.cuda.get_device_name()}", "decoded on the GPU img/s / in the workers img/s", "> 1",
+                          xs, ys))
+    run([os.path.join(BIN, "hvd-train"), "shard", "--from", "imagefolder", "--data-dir", photos, "--out", shards,
+         "--shard-size", str(max(1, count // 32))], job_env())
+    return rows + gpu_training_rows(b, photos, shards, cores)
+
+
+def gpu_training_rows(b, photos, shards, cores):
+    """ResNet-50, bf16, channels-last, compiled, batch 128: trained from the folder and from its shards (the last
+    epoch's rate: the first pays the compilation), against its --benchmark rate on random images, measured once a
+    repeat for both."""
+    flags = ["--model", "resnet50", "--amp", "bf16", "--channels-last", "--compile", "--batch-size", "128",
+             "--image-size", "224", "--logging.progress", "false"]
+    names = sorted(n for n in os.listdir(shards) if n.endswith(".tar"))
+    last = {split: max(n for n in names if n.startswith(split))[len(split) + 1:-4] for split in ("train", "val")}
+    sources = {"folder": ["--dataset", "imagefolder", "--data-dir", photos],
+               "shards": ["--dataset", "shards", "--data.train_shards", f"{shards}/train-{{000000..{last['train']}}}.tar",
+                          "--data.val_shards", f"{shards}/val-{{000000..{last['val']}}}.tar"]}
+
+    def trained(source):
+        out = b.out(f"train_{source}")
+        run([PY, "train_hvd.py", *flags, *sources[source], "--workers", cores, "--epochs", "3", "--output-dir",
+             out], job_env(), timeout=1800)
+        with open(os.path.join(out, "summary.json")) as f:
+            return json.load(f)["history"][-1]["samples_per_sec"]
+
+    def benchmark():
+        return b.app([PY], "resnet50", 224, 128, b.slow_steps, job_env(), flags[2:6])["img_per_sec_total"]
+
+    rates = b.rotate({"benchmark": benchmark, "folder": lambda: trained("folder"),
+                      "shards": lambda: trained("shards")})
+    return [ratio_row(f"pipeline, ResNet-50 bf16 channels-last compiled, trained from the JPEG {source}",
+                      "training img/s (last epoch) / --benchmark img/s", ">= 0.9", rates[source], rates["benchmark"])
+            for source in ("folder", "shards")]
 
 
 def fmt(x, digits=3):

@@ -166,7 +166,7 @@ class PhotoTransform:
     def _encoded(self, data, jpeg, box, flip):
         # A JPEG goes as its bytes, for nvjpeg; any other format (PNG in a JPEG folder) is decoded here.
         image = torch.frombuffer(bytearray(data), dtype=torch.uint8) if jpeg else decode(data, 1.0)[0]
-        return Encoded(image, torch.tensor(box, dtype=torch.float64), flip, self.size)
+        return Encoded(image, torch.tensor(box, dtype=torch.float64), flip, self.size, self.train)
 
     def _policy(self, out):
         if self.policy is None:
@@ -178,17 +178,18 @@ class PhotoTransform:
 
 class Encoded:
     """One photo as a loader worker hands it on for the device: its JPEG bytes (1-d uint8) or its decoded pixels
-    (3-d uint8), the crop's box in the file's pixels, the flip and the side of the square it becomes."""
+    (3-d uint8), the crop's box in the file's pixels, the flip, the side of the square it becomes and whether it
+    is a training sample (validation's crop is the centre of the image resized whole)."""
 
-    def __init__(self, image, box, flip, size):
-        self.image, self.box, self.flip, self.size = image, box, flip, size
+    def __init__(self, image, box, flip, size, train):
+        self.image, self.box, self.flip, self.size, self.train = image, box, flip, size, train
 
 
 class EncodedBatch:
     """A batch of Encoded photos, for crop_batch(): collated by collate_encoded()."""
 
-    def __init__(self, images, boxes, flips, size):
-        self.images, self.boxes, self.flips, self.size = images, boxes, flips, size
+    def __init__(self, images, boxes, flips, size, train):
+        self.images, self.boxes, self.flips, self.size, self.train = images, boxes, flips, size, train
 
     def __len__(self):
         return len(self.images)
@@ -198,7 +199,7 @@ def collate_encoded(samples):
     """[(Encoded, label), ...] -> (EncodedBatch, labels)."""
     photos = [photo for photo, _ in samples]
     return (EncodedBatch([p.image for p in photos], torch.stack([p.box for p in photos]),
-                         torch.tensor([p.flip for p in photos]), photos[0].size),
+                         torch.tensor([p.flip for p in photos]), photos[0].size, photos[0].train),
             torch.tensor([int(label) for _, label in samples]))
 
 
@@ -232,20 +233,23 @@ def decode_batch(batch, device):
     return [image.to(device, non_blocking=True) for image in decoded]
 
 
-def crop_batch(images, boxes, flips, size):
-    """float32 (N, 3, size, size) in 0..255: each uint8 image's box (left, top, right, bottom, in its pixels)
-    resized to size x size and mirrored where `flips` says. On any device; torchvision's roi_align averages
-    ceil(box / size) bilinear samples per output pixel and side, the antialiasing of a downscale."""
-    from torchvision.ops import roi_align
+def crop_batch(batch, images):
+    """float32 (N, 3, size, size) in 0..255 from an EncodedBatch whose images are decoded (`images`, uint8
+    (3, H, W) each, on any device): training's boxes resized and mirrored as resized_crop() does, validation's
+    centre crop as center_crop() does, by the same antialiased bilinear resize, in float on the device."""
+    import torch.nn.functional as F
 
-    out = []
-    for image, box in zip(images, boxes.tolist()):
-        # Only the part of the image the box reaches (and a pixel around it) goes to float.
-        left, top = max(0, int(box[0]) - 1), max(0, int(box[1]) - 1)
-        right, bottom = min(image.shape[-1], math.ceil(box[2]) + 1), min(image.shape[-2], math.ceil(box[3]) + 1)
-        part = image[None, :, top:bottom, left:right].float()
-        roi = torch.tensor([[0.0, box[0] - left, box[1] - top, box[2] - left, box[3] - top]], device=image.device)
-        out.append(roi_align(part, roi, (size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=True))
-    batch = torch.cat(out)
-    flips = flips.to(batch.device)
-    return torch.where(flips[:, None, None, None], batch.flip(-1), batch)
+    size, out = batch.size, []
+    for image, box, flip in zip(images, batch.boxes.tolist(), batch.flips.tolist()):
+        if batch.train:
+            left, top, right, bottom = (int(round(v)) for v in box)
+            part = image[None, :, top:max(bottom, top + 1), left:max(right, left + 1)].float()
+            crop = F.interpolate(part, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+            out.append(crop.flip(-1) if flip else crop)
+        else:
+            new_w, new_h = resized_shape(image.shape[-1], image.shape[-2], val_side(size))
+            left, top = int(round((new_w - size) / 2.0)), int(round((new_h - size) / 2.0))
+            whole = F.interpolate(image[None].float(), size=(new_h, new_w), mode="bilinear", antialias=True,
+                                  align_corners=False)
+            out.append(whole[:, :, top:top + size, left:left + size])
+    return torch.cat(out).clamp_(0, 255)

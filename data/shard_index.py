@@ -21,7 +21,8 @@ INDEX = "index.json"
 INDEX_MAX_BYTES = 64 * 2**20  # read from a file or a server: bounded before it is parsed
 MAX_SHARDS = 10**6  # names a shard pattern may expand to (an index of a million shards is near its size bound)
 MAX_SHARD_SAMPLES = 10**8  # samples one shard may claim (a tar of 100 million images is far past any writer's)
-FACT_BOUNDS = {"num_classes": 10**6, "in_channels": 64, "image_size": 8192}  # they size the model and the images
+FACT_BOUNDS = {"num_classes": 10**6, "in_channels": 64, "image_size": 8192,  # they size the model and the images
+               "max_side": 8192}
 FORMAT = "hvd-train shards"
 
 

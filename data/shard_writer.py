@@ -16,14 +16,16 @@ import torch
 from torch.utils.data import Subset
 
 from hvd_train.data.arrays import ImageTensorDataset
-from hvd_train.data.errors import DataError
+from hvd_train.data.errors import UNREADABLE_IMAGE, DataError
+from hvd_train.data.images import as_mode
 from hvd_train.data.shard_index import FORMAT, INDEX
 from hvd_train.run.directory import atomic_write, temporary_beside
 
 
-def raw_samples(dataset):
+def raw_samples(dataset, max_side=0):
     """The tar fields of each sample, in order: a built-in data set's image undecoded where possible (extension:
-    bytes) with its class ("cls"); any other data set's samples through encode() (.npy arrays, .json values)."""
+    bytes; a photo longer than max_side, where given, resized to it) with its class ("cls"); any other data set's
+    samples through encode() (.npy arrays, .json values)."""
     base, indices = dataset, range(len(dataset))
     if isinstance(dataset, Subset):
         base, indices = dataset.dataset, dataset.indices
@@ -34,10 +36,39 @@ def raw_samples(dataset):
         for i in indices:
             path, label = base.samples[i]
             with open(path, "rb") as f:
-                yield {os.path.splitext(path)[1][1:].lower(): f.read(), "cls": str(label)}
+                data = f.read()
+            extension = os.path.splitext(path)[1][1:].lower()
+            if max_side:
+                extension, data = bounded(data, extension, max_side, path)
+            yield {extension: data, "cls": str(label)}
     else:
         for i in range(len(dataset)):
             yield dict(encode(dataset[i], f"sample {i}"))
+
+
+def bounded(data, extension, max_side, path):
+    """(extension, bytes) of a photo at most max_side pixels on its longer side: the file as it is where it is
+    already, else resized (antialiased, from a JPEG draft where libjpeg can scale) and written again, as JPEG at
+    quality 90 (a PNG as PNG)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height, fmt = image.width, image.height, image.format
+            if max(width, height) <= max_side:
+                return extension, data
+            scale = max_side / max(width, height)
+            size = (max(1, round(width * scale)), max(1, round(height * scale)))
+            image.draft("RGB", size)  # a JPEG decoded at 1/2, 1/4 or 1/8 where that is still at least `size`
+            image = as_mode(image, "RGB").resize(size, Image.BICUBIC)
+    except UNREADABLE_IMAGE as e:
+        raise DataError(f"{path}: cannot read this image ({e}); fix or remove the file") from None
+    out = io.BytesIO()
+    if fmt == "PNG":
+        image.save(out, "PNG")
+        return "png", out.getvalue()
+    image.save(out, "JPEG", quality=90)
+    return "jpg", out.getvalue()
 
 
 def encode(sample, where, prefix=""):
@@ -102,11 +133,11 @@ def facts_of(dataset, info, dataset_name):
     return facts
 
 
-def write_split(dataset, out, split, shard_size):
+def write_split(dataset, out, split, shard_size, max_side=0):
     """{shard name: samples} for the split's shards, each written whole under a temporary name of its own (never
     through a link someone planted in --out), then renamed."""
     counts, shard, name, key = {}, None, None, 0
-    for fields in raw_samples(dataset):
+    for fields in raw_samples(dataset, max_side):
         if shard is None or counts[name] == shard_size:
             if shard is not None:
                 shard.finish()
@@ -137,14 +168,18 @@ class Shard:
         os.replace(self.tmp, self.path)
 
 
-def write_shards(train, val, info, dataset_name, out, shard_size):
-    """Write both splits and the index into `out` (which must not hold shards yet); returns the index."""
+def write_shards(train, val, info, dataset_name, out, shard_size, max_side=0):
+    """Write both splits and the index into `out` (which must not hold shards yet); returns the index. max_side:
+    photos longer than that are written resized to it (0: as they are)."""
     if os.path.exists(os.path.join(out, INDEX)):
         raise DataError(f"{out} already holds shards ({INDEX}); choose an empty --out, or remove them first")
     os.makedirs(out, exist_ok=True)
     shards = {}
     for split, dataset in (("train", train), ("val", val)):
-        shards.update(write_split(dataset, out, split, shard_size))
-    index = {"format": FORMAT, "version": 1, "facts": facts_of(train, info, dataset_name), "shards": shards}
+        shards.update(write_split(dataset, out, split, shard_size, max_side))
+    facts = facts_of(train, info, dataset_name)
+    if max_side and facts.get("transform") == "photos":
+        facts["max_side"] = max_side
+    index = {"format": FORMAT, "version": 1, "facts": facts, "shards": shards}
     atomic_write(os.path.join(out, INDEX), lambda f: json.dump(index, f, indent=1))
     return index

@@ -11,6 +11,7 @@ scaled to 0..1). A batch of photos still encoded (--data.decode gpu) is decoded,
 Random erasing (--reprob) works on normalized images, so it happens here too, through timm's RandomErasing, drawing
 from generators seeded by (seed, rank, epoch, step): a resumed run erases as the run it continues did.
 """
+import logging
 import random
 from typing import Optional
 
@@ -20,6 +21,8 @@ from hvd_train.batches import to_device
 from hvd_train.data.augment import derived_seed
 from hvd_train.data.photos import EncodedBatch, crop_batch, decode_batch
 
+log = logging.getLogger("hvd_train")
+
 
 class Feed:
     """Batches from a loader as the model takes them. mean, std: the images' per-channel figures (None: 0 and 1);
@@ -27,6 +30,7 @@ class Feed:
 
     def __init__(self, device, mean=None, std=None, erasing=None, seed=0, rank=0):
         self.device, self.erasing, self.seed, self.rank = device, erasing, seed, rank
+        self.said = False  # whether the log says yet where photos are decoded
         self.mean = None if mean is None else torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
         self.std = None if std is None else torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
 
@@ -39,8 +43,11 @@ class Feed:
         """One batch on the device, its images normalized; erased when `key` (epoch, step) names a training step."""
         images = batch[0] if isinstance(batch, (tuple, list)) and batch else None
         if isinstance(images, EncodedBatch):
-            ready = self.normalize(crop_batch(decode_batch(images, self.device), images.boxes, images.flips,
-                                              images.size), scale=255.0)
+            if not self.said:
+                log.info("photos are decoded, cropped and flipped on %s, a batch at a time (--data.decode): the "
+                         "loader workers read their bytes and draw their crops", self.device)
+                self.said = True
+            ready = self.normalize(crop_batch(images, decode_batch(images, self.device)), scale=255.0)
         elif torch.is_tensor(images) and images.dtype == torch.uint8 and images.dim() == 4:
             ready = self.normalize(images.to(self.device, non_blocking=True).float(), scale=255.0)
         else:

@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # GPU acceptance run, for a GPU machine that may have no network: build Horovod with NCCL against the machine's own
-# torch from a carried sdist, then run the GPU tests and the one-GPU benchmark, and write its figures into
-# docs/benchmarks.md.
+# torch from a carried sdist, then run the GPU tests, the input pipeline's benchmark and the one-GPU benchmark, and
+# write the last one's figures into docs/benchmarks.md.
 #
 #   scripts/gpu_check.sh --horovod-sdist FILE [--python PATH] [--out DIR] [--rounds N] [--batch-size N] [--no-gpu]
+#                        [--skip-step-bench]
 #
 #   1. checks a GPU is visible (nvidia-smi and torch.cuda) and stops otherwise;
 #   2. scripts/install.sh --python PATH --offline --gpu --horovod-sdist FILE: Horovod with NCCL against that torch,
 #      never reinstalling it (--no-mpi where OpenMPI is missing; the Gloo controller then serves the CPU side);
 #   3. checks `horovodrun --check-build` lists NCCL;
 #   4. runs the tests marked gpu (python -m pytest -m gpu);
-#   5. benchmarks the app against a bare PyTorch loop on one GPU (resnet50, AMP bf16 and fp16, channels-last;
-#      bench/gpu_acceptance.py) and writes the table into docs/benchmarks.md.
+#   5. benchmarks the input pipeline (bench/run.py --sections pipeline): ImageNet-like JPEGs decoded in the loader
+#      workers and on the GPU, and ResNet-50 bf16 channels-last compiled trained from the folder and its shards
+#      against its --benchmark rate; the table goes to OUT/pipeline.md;
+#   6. benchmarks the app against a bare PyTorch loop on one GPU (resnet50, AMP bf16 and fp16, channels-last;
+#      bench/gpu_acceptance.py) and writes the table into docs/benchmarks.md (--skip-step-bench leaves it out).
 # Every step's output goes to OUT/gpu_check.log (default runs/gpu_check); the last lines say which steps passed.
 # The exit code is 0 only when every step passed. --no-gpu runs the parts that need no GPU (2 and 3), to try the
-# script, the sdist and the machine's toolchain (or an image) before GPU time is spent; 1, 4 and 5 say SKIP.
+# script, the sdist and the machine's toolchain (or an image) before GPU time is spent; 1, 4, 5 and 6 say SKIP.
 #
 # Bring the sdist from a machine with network: pip download --no-deps --no-binary :all: horovod==0.28.1
 # (or `python scripts/horovod/build_horovod.py --print-sdist`, which prints the cached copy's path).
@@ -27,6 +31,7 @@ OUT=$ROOT/runs/gpu_check
 ROUNDS=3
 BATCH=128
 NEED_GPU=1
+STEP_BENCH=1
 
 die() { printf 'gpu_check.sh: error: %s\n' "$*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -37,7 +42,8 @@ while [ $# -gt 0 ]; do
         --rounds) [ $# -ge 2 ] || die "--rounds needs a number"; ROUNDS=$2; shift ;;
         --batch-size) [ $# -ge 2 ] || die "--batch-size needs a number"; BATCH=$2; shift ;;
         --no-gpu) NEED_GPU=0 ;;
-        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --skip-step-bench) STEP_BENCH=0 ;;
+        -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option '$1' (try --help)" ;;
     esac
     shift
@@ -90,12 +96,24 @@ nccl_listed() { "$BIN/horovodrun" --check-build | tee /dev/stderr | grep -qE '\[
 step "horovodrun --check-build lists NCCL" nccl_listed || finish
 
 if [ "$NEED_GPU" = 0 ]; then
-    results+=("SKIP  GPU tests (--no-gpu)" "SKIP  One-GPU benchmark (--no-gpu)")
+    results+=("SKIP  GPU tests (--no-gpu)" "SKIP  Input pipeline benchmark (--no-gpu)" "SKIP  One-GPU benchmark (--no-gpu)")
     finish
 fi
 # The GPU tests' own file: collecting the whole suite would import what only the CPU suite needs (mlflow's client,
 # which a GPU image may lack), and one missing import would stop the run before any GPU test.
-step "GPU tests (pytest -m gpu)" "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/launch/test_gpu.py
-step "One-GPU benchmark: app against a bare loop" "$PY" bench/gpu_acceptance.py --rounds "$ROUNDS" \
-    --batch-size "$BATCH" --write-doc docs/benchmarks.md
+# Side by side where pytest-xdist is there: the tests are small next to one GPU's memory and the node's cores.
+parallel=()
+"$PY" -c 'import xdist' 2>/dev/null && parallel=(-n 4)
+step "GPU tests (pytest -m gpu)" "$PY" -m pytest -m gpu -v -p no:cacheprovider "${parallel[@]}" tests/launch/test_gpu.py
+pipeline() {
+    "$PY" bench/run.py --sections pipeline --repeats 1 --results-dir "$OUT/bench" || return 1
+    cat "$OUT"/bench/*.md >"$OUT/pipeline.md"
+}
+step "Input pipeline benchmark (bench/run.py --sections pipeline)" pipeline
+if [ "$STEP_BENCH" = 1 ]; then
+    step "One-GPU benchmark: app against a bare loop" "$PY" bench/gpu_acceptance.py --rounds "$ROUNDS" \
+        --batch-size "$BATCH" --write-doc docs/benchmarks.md
+else
+    results+=("SKIP  One-GPU benchmark (--skip-step-bench)")
+fi
 finish

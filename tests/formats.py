@@ -126,3 +126,26 @@ def write_desktop_litter(root):
     checkpoints.mkdir()
     (checkpoints / "copy.png").write_bytes(next(root.glob("*/*.png")).read_bytes())
     return written + 1
+
+
+# What the device's crop (torch's antialiased resize in float32) may differ from the workers' (the same resize on
+# uint8, rounded to whole levels), in levels of 0..255: the mean over every pixel, and the 99th percentile.
+MEAN_LEVELS, P99_LEVELS = 0.5, 2.0
+# A JPEG decoded in draft mode (libjpeg's scaled DCT) against decoded whole and resized: measured 3-4 levels.
+DRAFT_MEAN_LEVELS = 6.0
+
+
+def photo(width, height, seed, quality=90):
+    """A JPEG cut from one of scikit-learn's bundled photographs, resized to width x height."""
+    import io
+
+    from PIL import Image
+    from sklearn.datasets import load_sample_image
+
+    rng = np.random.default_rng(seed)
+    source = Image.fromarray(load_sample_image(("china.jpg", "flower.jpg")[seed % 2]))
+    left, top = int(rng.integers(0, 100)), int(rng.integers(0, 80))
+    cut = source.crop((left, top, left + 520, top + 390)).resize((width, height), Image.BICUBIC)
+    out = io.BytesIO()
+    cut.save(out, "JPEG", quality=quality)
+    return out.getvalue()

@@ -12,6 +12,7 @@ import sys
 from hvd_train.data import DataError
 from hvd_train.data.catalog import DATASETS
 from hvd_train.config import DataConfig, parse_mapping
+from hvd_train.config.fields import MAX_IMAGE_SIDE
 from hvd_train.datasets import build_datasets, dataset_factory
 from hvd_train.errors import ConfigError
 from hvd_train.plugins import is_import_path
@@ -35,12 +36,20 @@ def parse_args(argv):
     p.add_argument("--shard-size", type=int, default=10000, help="samples per shard (default: %(default)s); at "
                    "least one shard per rank: a job on N ranks needs N training shards or more")
     p.add_argument("--image-size", type=int, default=0, help="the facts' image size (0: the data set's own)")
+    p.add_argument("--max-side", type=int, default=0, metavar="N",
+                   help="photos (image folders): images longer than N pixels on their longer side are written "
+                   "resized to N there (JPEG quality 90, PNG stays PNG); smaller files go as they are. Decoding then "
+                   "costs what an image of that size costs, whatever the camera wrote (0: every file as it is; "
+                   "recorded in the index)")
     p.add_argument("--val-fraction", type=float, default=0.2, help="held out where the data set has no split")
     p.add_argument("--split-seed", type=int, default=0, help="seed of that split")
     args = p.parse_args(argv)
     if args.source not in SHIPPED and not is_import_path(args.source):
         p.error(f"--from {args.source}: choose one of {', '.join(SHIPPED)}, or give your own data set factory as "
                 f"package.module:name")
+    if args.max_side < 0 or args.max_side > MAX_IMAGE_SIDE:
+        p.error(f"--max-side {args.max_side}: give a side in pixels, 1 to {MAX_IMAGE_SIDE}, or 0 to keep every "
+                f"file as it is (e.g. 512 for training at 224)")
     if args.shard_size < 1:
         p.error(f"--shard-size {args.shard_size}: must be a positive number of samples")
     return args
@@ -57,7 +66,7 @@ def main(argv):
         dc = DataConfig(dataset=args.source, data_dir=args.data_dir, image_size=args.image_size,
                         val_fraction=args.val_fraction, split_seed=args.split_seed, args=args.data_args)
         train, val, info = build_datasets(dc)
-        index = write_shards(train, val, info, args.source, args.out, args.shard_size)
+        index = write_shards(train, val, info, args.source, args.out, args.shard_size, args.max_side)
     except (DataError, ConfigError) as e:
         print(f"hvd-train shard: error: {e}", file=sys.stderr)
         return 2

@@ -159,7 +159,7 @@ def test_allreduce_benchmark_reports_busbw_for_horovod_and_torch(tmp_path):
 def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path):
     cmd = [sys.executable, "bench/run.py", "--quick", "--repeats", "1", "--results-dir", str(tmp_path), "--sections"]
     # The second run, of another section, has to find the first one's files there and write beside them.
-    for sections in ("overhead,peer,accuracy", "data,shard,mpi"):
+    for sections in ("overhead,peer,accuracy", "data,pipeline,shard,mpi"):
         proc = subprocess.run(cmd + [sections], cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         if sections == "overhead,peer,accuracy":
@@ -179,9 +179,13 @@ def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path
     assert "| overhead, small_cnn" in first_output and "| peer, small_cnn" in first_output
     second = read_json(tmp_path / next(f for f in files if f.endswith("-2.json")))
     # The data section: each loader (image folder and tar shards, 0 and 1 workers) against a training step.
-    data, shard = second["rows"][:4], second["rows"][4:]
+    data, pipeline, shard = second["rows"][:4], second["rows"][4:6], second["rows"][6:]
     assert [r["figure"] for r in data] == [f"data, {source}, --workers {w}" for source in
                                            ("image folder (JPEG)", "tar shards (local)") for w in (0, 1)]
+    # The pipeline section, on a CPU: one core's images/s, the app's loader against torchvision's, for photos and
+    # for arrays.
+    assert [r["figure"].split(",")[1].strip() for r in pipeline] == ["JPEG folder (500x375) to 224 px",
+                                                                     "CIFAR-shaped arrays"]
     # The shard section: the state each of 2 ranks holds sharded is half the whole state.
     assert [r["figure"].split(",")[0] for r in shard] == ["optimizer state per rank", "peak memory per rank",
                                                           "training rate"]

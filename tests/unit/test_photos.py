@@ -1,0 +1,191 @@
+"""Photos as uint8 (data/photos.py) and the feed that normalizes them on the device (hvd_train/feed.py): the loader
+workers' crop and the device's batch crop agree for the same draws, validation never draws, JPEG draft mode covers
+the crop it would cover at full size, and shards written with --max-side hold bounded images."""
+import io
+import json
+import subprocess
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import BIN, ROOT
+from formats import DRAFT_MEAN_LEVELS, MEAN_LEVELS, P99_LEVELS, photo
+from hvd_train.data import LoaderSpec, build_loaders
+from hvd_train.data.augment import seed_all
+from hvd_train.data.imagefolder import MEAN, STD
+from hvd_train.data.photos import (PhotoTransform, collate_encoded, crop_batch, decode, decode_batch, header,
+                                   val_crop)
+from hvd_train.datasets import build_datasets
+from hvd_train.config import DataConfig
+from hvd_train.feed import Feed
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """An image folder of 2 classes: JPEGs of ImageNet's usual size, a large one, and a PNG among them."""
+    root = tmp_path_factory.mktemp("photos")
+    for i in range(12):
+        d = root / f"class{i % 2}"
+        d.mkdir(exist_ok=True)
+        (d / f"{i:03d}.jpg").write_bytes(photo(500, 375, i) if i != 5 else photo(375, 500, i))
+    (root / "class0" / "big.jpg").write_bytes(photo(2000, 1500, 3))
+    Image.open(io.BytesIO(photo(400, 300, 7))).save(root / "class1" / "flat.png")
+    return root
+
+
+def files(folder):
+    return sorted(str(p) for p in folder.glob("*/*.*"))
+
+
+def both_ways(paths, train, size=224):
+    """(the workers' uint8 crops, the device's float crops) of the same draws (seed i for file i), the device's on
+    CPU tensors."""
+    plain, encoded = PhotoTransform(size, train), PhotoTransform(size, train).on_device()
+    cpu, samples = [], []
+    for i, path in enumerate(paths):
+        seed_all(i)
+        cpu.append(plain(path))
+        seed_all(i)
+        samples.append((encoded(path), 0))
+    batch, _ = collate_encoded(samples)
+    device = crop_batch(batch, decode_batch(batch, torch.device("cpu")))
+    return torch.stack(cpu), device
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["training", "validation"])
+def test_the_workers_crop_and_the_devices_batch_crop_agree_for_the_same_draws(folder, train):
+    # Every file but the large one, which the workers decode in draft mode (the next test); at 224 px no crop of
+    # a 500 x 375 photo is twice the output, so none is drafted.
+    paths = [p for p in files(folder) if not p.endswith("big.jpg")]
+    cpu, device = both_ways(paths, train)
+    assert cpu.dtype == torch.uint8 and cpu.shape == device.shape == (len(paths), 3, 224, 224)
+    diff = (cpu.float() - device).abs()
+    assert diff.mean() < MEAN_LEVELS and diff.flatten().quantile(0.99) < P99_LEVELS, (diff.mean(), diff.max())
+    # The flips and crops themselves are the same: a mirrored or shifted crop differs by tens of levels.
+    mirrored = (cpu.float().flip(-1) - device).abs().mean(dim=(1, 2, 3))
+    assert (diff.mean(dim=(1, 2, 3)) < mirrored).all()
+
+
+def test_draft_mode_decodes_a_large_jpeg_reduced_and_keeps_what_the_crop_covers(folder):
+    data = (folder / "class0" / "big.jpg").read_bytes()
+    full, scale_full = decode(data, 1.0)
+    reduced, scale = decode(data, 0.2)  # a crop that needs a fifth of the pixels: libjpeg scales by 1/4
+    assert scale_full == 1.0 and full.shape == (3, 1500, 2000)
+    assert scale == 0.25 and reduced.shape == (3, 375, 500)
+    # Validation of the large photo at 64 px: drafted on the workers, whole on the device; the same region.
+    cpu, device = both_ways([str(folder / "class0" / "big.jpg")] * 2, train=False, size=64)
+    box = val_crop(2000, 1500, 64)
+    assert box[2] - box[0] > 4 * 64  # the crop needs a quarter of the resolution: draft mode applies
+    diff = (cpu.float() - device).abs()
+    assert diff.mean() < DRAFT_MEAN_LEVELS, diff.mean()
+    # Shifted by a sixteenth of the crop, the same photo differs by far more: the draft covers the same region.
+    assert (cpu.float()[..., 4:] - device[..., :-4]).abs().mean() > 2 * diff.mean()
+
+
+def test_validation_never_draws(folder):
+    path = files(folder)[0]
+    crops = []
+    for seed in (0, 1, 2):
+        seed_all(seed)
+        crops.append(PhotoTransform(64, train=False)(path))
+    assert all(torch.equal(crops[0], c) for c in crops[1:])
+    seed_all(0)
+    first = PhotoTransform(64, train=True)(path)
+    seed_all(1)
+    assert not torch.equal(first, PhotoTransform(64, train=True)(path))
+
+
+def test_a_broken_photo_is_named_on_either_side(folder, tmp_path):
+    bad = tmp_path / "cut.jpg"
+    bad.write_bytes((folder / "class0" / "000.jpg").read_bytes()[:300])
+    from hvd_train.data.errors import BadSampleError
+
+    with pytest.raises(BadSampleError, match="cut.jpg: cannot read this image"):
+        PhotoTransform(64, True)(str(bad))
+
+
+def loader_batches(dc, decode_where, workers=1, steps=3):
+    """The first `steps` training batches and the first validation batch of the data set, through build_loaders and
+    the feed on the CPU (a GPU only changes where the device's half runs)."""
+    train, val, info = build_datasets(dc)
+    spec = LoaderSpec(batch_size=4, seed=3, workers=workers, decode=decode_where, image_size=32)
+    train_loader, val_loader, sampler = build_loaders(train, val, spec, rank=0, world_size=1)
+    sampler.set_epoch(1)
+    feed = Feed(torch.device("cpu"), info.preprocessing.mean, info.preprocessing.std)
+    got = [images for images, _ in list(feed.batches(train_loader, epoch=1))[:steps]]
+    return got, next(iter(feed.batches(val_loader)))[0]
+
+
+@pytest.mark.parametrize("source", ["folder", "shards"])
+def test_loaders_hand_uint8_or_encoded_photos_and_the_feed_makes_the_same_batches_of_both(folder, tmp_path, source):
+    dc = DataConfig(dataset="imagefolder", data_dir=str(folder), image_size=32, val_fraction=0.25)
+    if source == "shards":
+        proc = subprocess.run([str(BIN / "hvd-train"), "shard", "--from", "imagefolder", "--data-dir", str(folder),
+                               "--out", str(tmp_path / "s"), "--shard-size", "5", "--val-fraction", "0.25"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        dc = DataConfig(dataset="shards", image_size=32, train_shards=f"{tmp_path}/s/train-{{000000..000001}}.tar",
+                        val_shards=f"{tmp_path}/s/val-{{000000..000000}}.tar")
+    train, val, _ = build_datasets(dc)
+    train_loader, _, sampler = build_loaders(train, val, LoaderSpec(batch_size=4, seed=3, image_size=32), rank=0,
+                                             world_size=1)
+    sampler.set_epoch(1)
+    images, labels = next(iter(train_loader))
+    assert images.dtype == torch.uint8 and images.shape == (4, 3, 32, 32)  # a quarter of float32's bytes
+    on_cpu, val_cpu = loader_batches(dc, "cpu")
+    on_device, val_device = loader_batches(dc, "gpu")
+    for a, b in zip(on_cpu + [val_cpu], on_device + [val_device]):
+        assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape
+        # At 32 px the workers draft most crops. Normalized by ImageNet's std (about 0.225), a level of 255 is
+        # 1 / (255 * 0.225) = 0.017.
+        assert (a - b).abs().mean() < DRAFT_MEAN_LEVELS * 0.018
+    # Normalized as the preprocessing record says: the feed's mean and std of ImageNet.
+    assert -2.2 < float(on_cpu[0].min()) and float(on_cpu[0].max()) < 2.7
+
+
+def test_the_feed_normalizes_uint8_and_erases_by_epoch_and_step():
+    from timm.data.random_erasing import RandomErasing
+
+    images = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+    plain = Feed(torch.device("cpu"), MEAN, STD)
+    out, _ = plain((images, torch.zeros(4)))
+    expected = (images.float() / 255 - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    torch.testing.assert_close(out, expected)
+    erasing = Feed(torch.device("cpu"), MEAN, STD, RandomErasing(1.0, mode="pixel", device="cpu"), seed=5, rank=1)
+    first = erasing((images, torch.zeros(4)), key=(2, 7))[0]
+    assert not torch.equal(first, out)  # erased
+    assert torch.equal(first, erasing((images, torch.zeros(4)), key=(2, 7))[0])  # a resumed step erases the same
+    assert not torch.equal(first, erasing((images, torch.zeros(4)), key=(2, 8))[0])
+    floats = torch.rand(2, 3, 8, 8)
+    assert torch.equal(erasing((floats, torch.zeros(2)), key=(1, 1))[0], floats)  # floats are the data set's own
+
+
+def test_shards_with_max_side_hold_bounded_photos_and_record_it(folder, tmp_path):
+    out = tmp_path / "shards"
+    proc = subprocess.run([str(BIN / "hvd-train"), "shard", "--from", "imagefolder", "--data-dir",
+                           str(folder), "--out", str(out), "--shard-size", "8", "--max-side", "400"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    index = json.loads((out / "index.json").read_text())
+    assert index["facts"]["max_side"] == 400
+    import tarfile
+
+    sides, untouched = [], 0
+    originals = {p.read_bytes() for p in folder.glob("*/*.*")}
+    for shard in sorted(out.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                if member.name.endswith((".jpg", ".png")):
+                    data = tar.extractfile(member).read()
+                    width, height, _ = header(data)
+                    sides.append(max(width, height))
+                    untouched += data in originals
+    assert len(sides) == 14 and max(sides) == 400
+    assert untouched == 1  # the PNG of 400 x 300 went as it was; every larger photo was resized
+
+
+def test_max_side_out_of_range_is_refused(folder, tmp_path):
+    proc = subprocess.run([str(BIN / "hvd-train"), "shard", "--from", "imagefolder", "--data-dir",
+                           str(folder), "--out", str(tmp_path / "s"), "--max-side", "-1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--max-side -1" in proc.stderr and not (tmp_path / "s").exists()
