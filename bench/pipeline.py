@@ -3,7 +3,7 @@
     python bench/pipeline.py photos DIR --count 4000        # ImageNet-like JPEGs (500 x 375, about 80 KB)
     python bench/pipeline.py loader --data-dir DIR --path torchvision|app [--decode cpu|gpu] [--workers 1]
            [--batch-size 64] [--image-size 224] [--batches 20] --out rate.json
-    python bench/pipeline.py arrays --path torchvision|app --out rate.json    # CIFAR-shaped arrays, 32 px
+    python bench/pipeline.py arrays --path torchvision|before|app --out rate.json    # CIFAR-shaped arrays, 32 px
 
 `loader` times one rank's training loader and what the feed does to its batches (hvd_train/feed.py) on this
 machine's device, nothing else: torchvision's ImageFolder with its default training transforms (PIL decode,
@@ -80,9 +80,10 @@ def app_loader(data_dir, size, batch, workers, decode, device):
 
 
 def arrays_loader(path, batch):
-    """CIFAR-shaped data (10,000 uint8 images of 32 x 32) with CIFAR's augmentation: torchvision's way (a float
-    tensor per sample, crop, flip, Normalize) or the app's (uint8 through the crop and flip, normalized by the
-    feed). No workers: the training process loads arrays (the README's advice for data held in memory)."""
+    """CIFAR-shaped data (10,000 uint8 images of 32 x 32) with CIFAR's augmentation: torchvision's way (PIL crop
+    and flip, ToTensor, Normalize), the app's before (a float tensor per sample, crop, flip, normalized in the data
+    set) or the app's now (uint8 through the crop and flip, normalized by the feed). No workers: the training
+    process loads arrays."""
     import torch
 
     from hvd_train.data.arrays import ImageTensorDataset
@@ -108,9 +109,27 @@ def arrays_loader(path, batch):
 
         return torch.utils.data.DataLoader(Set(), batch_size=batch, shuffle=True, drop_last=True), None
     data = ImageTensorDataset(images, labels, mean=mean, std=std).augmented(Augmentation(), "natural")
+    feed = Feed(torch.device("cpu"), mean, std)
+    if path == "before":  # what the app did before: floats from the start, normalized in the data set
+        data, feed = FloatArrays(data), None
     sampler = torch.utils.data.RandomSampler(data)
     loader = torch.utils.data.DataLoader(SeededSamples(data), batch_sampler=SeededBatches(sampler, batch, 0, True))
-    return loader, Feed(torch.device("cpu"), mean, std)
+    return loader, feed
+
+
+class FloatArrays:
+    """The app's arrays as it read them before they went as uint8: each sample made float in [0, 1], augmented as
+    floats and normalized in the data set."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+    def __len__(self):
+        return len(self.arrays)
+
+    def __getitem__(self, index):
+        image = self.arrays.augment(self.arrays.images[index].float() / 255.0)
+        return (image - self.arrays.mean) / self.arrays.std, self.arrays.labels[index]
 
 
 def rate(loader, feed, warmup, batches):
@@ -143,7 +162,8 @@ def main():
     make.add_argument("--count", type=int, default=4000)
     for name in ("loader", "arrays"):
         q = sub.add_parser(name)
-        q.add_argument("--path", choices=("torchvision", "app"), required=True)
+        q.add_argument("--path", choices=("torchvision", "app") + (("before",) if name == "arrays" else ()),
+                       required=True)
         q.add_argument("--batch-size", type=int, default=64)
         q.add_argument("--warmup", type=int, default=3)
         q.add_argument("--batches", type=int, default=20)

@@ -28,8 +28,8 @@ class DataConfig(_Section):
                           "false: every sample every epoch. Tar shards always train on full batches")
     decode: str = opt("auto", "photos (image folders, their tar shards): where JPEGs are decoded, cropped and "
                       "flipped: cpu (in the loader workers), gpu (in the training process, with nvjpeg, a batch at a "
-                      "time), auto (gpu when training on a GPU, except where --aa or --color-jitter need the CPU's "
-                      "PIL images)", choices=DECODES)
+                      "time), auto (gpu when training on a GPU with fewer than 4 --workers, which cannot keep up; "
+                      "never where --aa or --color-jitter need the CPU's PIL images)", choices=DECODES)
     skip_bad_files: bool = opt(False, "imagefolder: decode every image once at start and leave out those that fail")
     train_shards: str = opt("", "shards: the training shards, a path, http(s):// URL or pipe: command with braces "
                             "for a range, e.g. 'shards/train-{000000..000099}.tar'")

@@ -29,6 +29,8 @@ BAD_SETTINGS = [
     (["--device", "cuda"], "--device cuda: no GPU is visible"),
     (["--sync-bn"], "--sync-bn needs GPUs"),
     (["--amp", "fp16"], "--amp fp16 needs a GPU"),
+    (["--data.decode", "gpu"], "data.decode (--data.decode)=gpu: this run trains on cpu; nvjpeg needs a GPU"),
+    (["--data.decode", "jpeg"], "argument --data.decode: invalid choice: 'jpeg' (choose from 'auto', 'cpu', 'gpu')"),
     (["--resume", "nowhere.pt"], "--resume nowhere.pt: no such file"),
     (["--dataset", "cifar10", "--data-dir", "/nonexistent"], "CIFAR-10 not found"),
     (["--dataset", "imagefolder", "--data-dir", "EMPTY"], "class folder(s) cat hold no image files"),

@@ -189,3 +189,18 @@ def test_max_side_out_of_range_is_refused(folder, tmp_path):
                            str(folder), "--out", str(tmp_path / "s"), "--max-side", "-1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--max-side -1" in proc.stderr and not (tmp_path / "s").exists()
+
+
+def test_where_photos_are_decoded_follows_the_setting_the_device_and_the_workers():
+    from hvd_train.build import decode_place
+    from hvd_train.config import parse_config
+    from hvd_train.errors import ConfigError
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")  # a device named, never used: no GPU needed
+    assert decode_place(parse_config([]), cpu) == "cpu"
+    assert decode_place(parse_config(["--workers", "2"]), cuda) == "auto"  # too few workers: the GPU decodes
+    assert decode_place(parse_config(["--workers", "8"]), cuda) == "cpu"  # enough workers: they decode
+    assert decode_place(parse_config(["--workers", "2", "--aa", "rand-m9-mstd0.5"]), cuda) == "cpu"
+    assert decode_place(parse_config(["--workers", "8", "--data.decode", "gpu"]), cuda) == "gpu"
+    with pytest.raises(ConfigError, match="--color-jitter is a policy on PIL images"):
+        decode_place(parse_config(["--data.decode", "gpu", "--color-jitter", "0.4"]), cuda)
