@@ -69,10 +69,13 @@ def app_loader(data_dir, size, batch, workers, decode, device):
     """The app's training loader of the folder, and the feed that finishes its batches on `device`."""
     from hvd_train.config import DataConfig
     from hvd_train.data import LoaderSpec, build_loaders
+    from hvd_train.data.augment import Augmentation
     from hvd_train.datasets import build_datasets
     from hvd_train.feed import Feed
 
-    train, val, info = build_datasets(DataConfig(dataset="imagefolder", data_dir=data_dir, image_size=size))
+    # The run's default augmentation (RandomResizedCrop and flip), as a training run passes it
+    train, val, info = build_datasets(DataConfig(dataset="imagefolder", data_dir=data_dir, image_size=size), 0,
+                                      Augmentation())
     spec = LoaderSpec(batch, 0, workers, pin_memory=device.type == "cuda", decode=decode, drop_last=True)
     loader, _, sampler = build_loaders(train, val, spec, rank=0, world_size=1)
     sampler.set_epoch(1)

@@ -649,10 +649,11 @@ def section_data(b):
 
 
 def section_pipeline(b):
-    """The input pipeline on ImageNet-like JPEGs (bench/pipeline.py writes them): images/s one core makes for a
-    training step at 224 px, torchvision's default ImageFolder pipeline (the peer, and what the app ran before its
-    photos went as uint8) against the app's (decode, crop and flip to uint8, normalized by the feed; both in one
-    process, one thread); CIFAR-shaped arrays against the app's float path before and torchvision's. On a GPU: the app's loader with every core's workers,
+    """The input pipeline on ImageNet-like JPEGs (bench/pipeline.py writes them): images/s one loader worker (one
+    core) makes for a training step at 224 px, torchvision's default ImageFolder pipeline (the peer, and what the app
+    ran before its photos went as uint8) against the app's (decode, crop and flip to uint8; the training process
+    normalizes them, as the device would); CIFAR-shaped arrays, loaded in the training process as the app loads
+    data held in memory, against the app's float path before and torchvision's. On a GPU: the app's loader with every core's workers,
     decoding in the workers against on the GPU, and ResNet-50 (bf16, channels-last, compiled) trained from the
     folder and from its shards against its own --benchmark rate."""
     import torch
@@ -662,7 +663,7 @@ def section_pipeline(b):
     run([PY, "bench/pipeline.py", "photos", photos, "--count", str(count)], job_env())
     batches = ["--batch-size", "32", "--batches", "3" if b.args.quick else "20"]
 
-    def loader(path, workers=0, decode="cpu", size="224"):
+    def loader(path, workers=1, decode="cpu", size="224"):
         out = b.out("pipeline") + ".json"
         run([PY, "bench/pipeline.py", "loader", "--data-dir", photos, "--path", path, "--workers", str(workers),
              "--decode", decode, "--image-size", size, "--out", out, *batches], job_env())
@@ -677,8 +678,8 @@ def section_pipeline(b):
             return json.load(f)["img_per_sec"]
 
     xs, ys = b.alternate(lambda: loader("app"), lambda: loader("torchvision"))
-    rows = [ratio_row("pipeline, JPEG folder (500x375) to 224 px, one core", "app's loader img/s / torchvision's "
-                      "ImageFolder default pipeline img/s", ">= 1.5", xs, ys)]
+    rows = [ratio_row("pipeline, JPEG folder (500x375) to 224 px, one loader worker", "app's loader img/s / "
+                      "torchvision's ImageFolder default pipeline img/s", ">= 1.5", xs, ys)]
     rates = b.rotate({path: lambda path=path: arrays(path) for path in ("app", "before", "torchvision")})
     for peer, what in (("before", "the app's float path before"), ("torchvision", "torchvision's CIFAR pipeline")):
         rows.append(ratio_row(f"pipeline, CIFAR-shaped arrays, 32 px crop + flip, one core, against {peer}",

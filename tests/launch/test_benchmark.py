@@ -182,8 +182,8 @@ def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path
     data, pipeline, shard = second["rows"][:4], second["rows"][4:7], second["rows"][7:]
     assert [r["figure"] for r in data] == [f"data, {source}, --workers {w}" for source in
                                            ("image folder (JPEG)", "tar shards (local)") for w in (0, 1)]
-    # The pipeline section, on a CPU: one core's images/s, the app's loader against torchvision's for photos, and
-    # against its float path before and torchvision's for arrays.
+    # The pipeline section, on a CPU: one loader worker's images/s, the app's against torchvision's for photos; for
+    # arrays the app's against its float path before and torchvision's.
     assert [r["figure"].split(",")[1].strip() for r in pipeline] == ["JPEG folder (500x375) to 224 px"] + \
         ["CIFAR-shaped arrays"] * 2
     # The shard section: the state each of 2 ranks holds sharded is half the whole state.
