@@ -6,10 +6,11 @@ Kinds (which data set is which: data/catalog.py):
               side, horizontal flip (the augmentation of the published ResNet CIFAR results)
     digits    handwriting (MNIST, the digits): a small random rotation, shift and scale; never a flip (a flipped 2 is
               no digit)
-    photos    image folders and their tar shards: RandomResizedCrop and flip (data/imagefolder.py)
+    photos    image folders and their tar shards: RandomResizedCrop and flip (data/photos.py)
 Validation never augments. On top of the default (and like timm's train.py, never instead of the crop): --aa
-(timm's AutoAugment, RandAugment, AugMix and TrivialAugment specs), --color-jitter, then random erasing (--reprob,
---remode) on the normalized tensor, all through timm's own transforms.
+(timm's AutoAugment, RandAugment, AugMix and TrivialAugment specs) and --color-jitter on the uint8 images, through
+timm's own transforms; random erasing (--reprob, --remode) works on normalized images, so it happens where they are
+normalized, on the device (hvd_train/feed.py), seeded by the step.
 
 Why the seeding: a DataLoader worker draws from its own generator, so which random crop a sample gets depends on the
 number of workers, which worker took the batch and, after a resume, on how far the workers' generators had got.
