@@ -653,7 +653,8 @@ def section_pipeline(b):
     core) makes for a training step at 224 px, torchvision's default ImageFolder pipeline (the peer, and what the app
     ran before its photos went as uint8) against the app's (decode, crop and flip to uint8; the training process
     normalizes them, as the device would); CIFAR-shaped arrays, loaded in the training process as the app loads
-    data held in memory, against the app's float path before and torchvision's. On a GPU: the app's loader with every core's workers,
+    data held in memory, against the app's float path before and torchvision's. On a GPU: the app's loader with
+    every core's workers,
     decoding in the workers against on the GPU, and ResNet-50 (bf16, channels-last, compiled) trained from the
     folder and from its shards against its own --benchmark rate."""
     import torch
@@ -707,7 +708,8 @@ def gpu_training_rows(b, photos, shards, cores):
     names = sorted(n for n in os.listdir(shards) if n.endswith(".tar"))
     last = {split: max(n for n in names if n.startswith(split))[len(split) + 1:-4] for split in ("train", "val")}
     sources = {"folder": ["--dataset", "imagefolder", "--data-dir", photos],
-               "shards": ["--dataset", "shards", "--data.train_shards", f"{shards}/train-{{000000..{last['train']}}}.tar",
+               "shards": ["--dataset", "shards",
+                          "--data.train_shards", f"{shards}/train-{{000000..{last['train']}}}.tar",
                           "--data.val_shards", f"{shards}/val-{{000000..{last['val']}}}.tar"]}
 
     def trained(source):

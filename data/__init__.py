@@ -126,8 +126,8 @@ def _worker_context(workers):
 
 
 # What a worker needs to unpickle the data sets and run their transforms, besides what the main script imports.
-WORKER_MODULES = ("hvd_train.data", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.io", "timm.data",
-                  "PIL.Image", "numpy")
+WORKER_MODULES = ("hvd_train.data", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.io",
+                  "timm.data", "PIL.Image", "numpy")
 
 
 def _imported_by_main():

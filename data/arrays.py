@@ -2,7 +2,6 @@
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 

@@ -3,8 +3,8 @@ regularisation."""
 
 from dataclasses import dataclass
 
-from hvd_train.config.fields import (AMP_MODES, COMPILE_MODES, DECODES, ERASE_MODES, LR_SCHEDULES, MAX_IMAGE_SIDE, MAX_WORKERS,
-                                     OPTIMIZERS, _Section, _choice, _require, opt)
+from hvd_train.config.fields import (AMP_MODES, COMPILE_MODES, DECODES, ERASE_MODES, LR_SCHEDULES, MAX_IMAGE_SIDE,
+                                     MAX_WORKERS, OPTIMIZERS, _Section, _choice, _require, opt)
 
 
 @dataclass

@@ -140,7 +140,8 @@ def run(cfg, rt):
              ", channels-last" if cfg.model.channels_last else "",
              f", torch.compile mode {cfg.model.compile_mode}" if cfg.model.compile else "")
 
-    batch = samples_batch(cfg, train_set, info, rt.device) if uses_own_data(cfg) else synthetic_batch(cfg, info, rt.device)
+    own = uses_own_data(cfg)
+    batch = samples_batch(cfg, train_set, info, rt.device) if own else synthetic_batch(cfg, info, rt.device)
     first_step_seconds, rates = time_iterations(trainer, batch, b)
     if trainer.profiler is not None:
         trainer.profiler.close()

@@ -20,6 +20,7 @@ from hvd_train.datasets import build_datasets
 from hvd_train.config import DataConfig
 from hvd_train.feed import Feed
 
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """An image folder of 2 classes: JPEGs of ImageNet's usual size, a large one, and a PNG among them."""
