@@ -50,10 +50,14 @@ def fetch(title, urls, into, by_hand, md5, filename=None, extract=True):
                     f"then run without --download")
 
 
+DATA_FILTER = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+
+
 def unpack(archive, into):
     """Extract the tar `archive` into `into`. Only plain files and folders whose paths stay inside `into` are
     accepted: an absolute path, a `..`, a link or a device in the archive refuses it whole, before anything is
-    written (Python's "data" filter then applies as well)."""
+    written (Python's "data" filter then applies as well, where this Python has it: 3.11.4 and later, and Debian's
+    3.11.2 does not)."""
     root = os.path.realpath(into)
     with tarfile.open(archive) as tar:
         members = tar.getmembers()
@@ -64,7 +68,7 @@ def unpack(archive, into):
                 raise DataError(f"{archive}: refusing to unpack it: its member {member.name!r} is "
                                 f"{'a link or device' if not (member.isfile() or member.isdir()) else 'outside'} "
                                 f"the target folder {into}; the archive is not the published one")
-        tar.extractall(root, members=members, filter="data")
+        tar.extractall(root, members=members, **DATA_FILTER)
 
 
 def outermost_missing(path):
