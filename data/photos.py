@@ -52,10 +52,16 @@ def train_crop(width, height):
     return (left, top, left + w, top + h), flip
 
 
+def center_offsets(width, height, size):
+    """(new width, new height, left, top): the shape validation resizes a width x height image to, and where its
+    centre size x size starts in it (torchvision's Resize(val_side(size)) then CenterCrop(size))."""
+    new_w, new_h = resized_shape(width, height, val_side(size))
+    return new_w, new_h, int(round((new_w - size) / 2.0)), int(round((new_h - size) / 2.0))
+
+
 def val_crop(width, height, size):
     """Validation's box in the image's pixels: the centre size x size of the image resized to val_side(size)."""
-    new_w, new_h = resized_shape(width, height, val_side(size))
-    left, top = int(round((new_w - size) / 2.0)), int(round((new_h - size) / 2.0))
+    new_w, new_h, left, top = center_offsets(width, height, size)
     sx, sy = width / new_w, height / new_h
     return (left * sx, top * sy, (left + size) * sx, (top + size) * sy)
 
@@ -98,25 +104,26 @@ def decode(data, need, facts=None):
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1), 1.0
 
 
-def resized_crop(image, box, size, flip=False):
-    """The `box` (left, top, right, bottom, in `image`'s pixels, rounded to whole ones) of a uint8 image resized to
-    size x size (bilinear, antialiased) and mirrored where `flip` says."""
+def resized_crop(image, box, size, flip=False, dtype=None):
+    """The `box` (left, top, right, bottom, in `image`'s pixels, rounded to whole ones) of an image resized to
+    size x size (bilinear, antialiased) and mirrored where `flip` says: in the image's uint8 (the workers), or in
+    `dtype` where given (the device's float; only the box is converted)."""
     from torchvision.transforms.v2 import functional as F
 
     left, top, right, bottom = (int(round(v)) for v in box)
-    right, bottom = max(right, left + 1), max(bottom, top + 1)
-    out = F.resized_crop(image, top, left, bottom - top, right - left, [size, size], antialias=True)
+    part = image[:, top:max(bottom, top + 1), left:max(right, left + 1)]
+    out = F.resize(part if dtype is None else part.to(dtype), [size, size], antialias=True)
     return out.flip(-1) if flip else out
 
 
-def center_crop(image, width, height, size):
-    """Validation's crop of a uint8 image decoded from a width x height file (at any draft scale): resized whole to
-    the shape torchvision's Resize(val_side(size)) gives the file, then its centre size x size, as CenterCrop."""
+def center_crop(image, width, height, size, dtype=None):
+    """Validation's crop of an image decoded from a width x height file (at any draft scale): resized whole to the
+    shape torchvision's Resize(val_side(size)) gives the file, then its centre size x size, as CenterCrop; in the
+    image's uint8, or in `dtype` where given."""
     from torchvision.transforms.v2 import functional as F
 
-    new_w, new_h = resized_shape(width, height, val_side(size))
-    left, top = int(round((new_w - size) / 2.0)), int(round((new_h - size) / 2.0))
-    resized = F.resize(image, [new_h, new_w], antialias=True)
+    new_w, new_h, left, top = center_offsets(width, height, size)
+    resized = F.resize(image if dtype is None else image.to(dtype), [new_h, new_w], antialias=True)
     return resized[:, top:top + size, left:left + size].contiguous()
 
 
@@ -236,20 +243,11 @@ def decode_batch(batch, device):
 def crop_batch(batch, images):
     """float32 (N, 3, size, size) in 0..255 from an EncodedBatch whose images are decoded (`images`, uint8
     (3, H, W) each, on any device): training's boxes resized and mirrored as resized_crop() does, validation's
-    centre crop as center_crop() does, by the same antialiased bilinear resize, in float on the device."""
-    import torch.nn.functional as F
-
+    centre crop as center_crop() does: the same functions, in float on the device."""
     size, out = batch.size, []
     for image, box, flip in zip(images, batch.boxes.tolist(), batch.flips.tolist()):
         if batch.train:
-            left, top, right, bottom = (int(round(v)) for v in box)
-            part = image[None, :, top:max(bottom, top + 1), left:max(right, left + 1)].float()
-            crop = F.interpolate(part, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-            out.append(crop.flip(-1) if flip else crop)
+            out.append(resized_crop(image, box, size, flip, torch.float32))
         else:
-            new_w, new_h = resized_shape(image.shape[-1], image.shape[-2], val_side(size))
-            left, top = int(round((new_w - size) / 2.0)), int(round((new_h - size) / 2.0))
-            whole = F.interpolate(image[None].float(), size=(new_h, new_w), mode="bilinear", antialias=True,
-                                  align_corners=False)
-            out.append(whole[:, :, top:top + size, left:left + size])
-    return torch.cat(out).clamp_(0, 255)
+            out.append(center_crop(image, image.shape[-1], image.shape[-2], size, torch.float32))
+    return torch.stack(out).clamp_(0, 255)

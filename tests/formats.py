@@ -152,3 +152,22 @@ def photo(width, height, seed, quality=90):
     out = io.BytesIO()
     cut.save(out, "JPEG", quality=quality)
     return out.getvalue()
+
+
+def both_ways(paths, train, size=224, device="cpu"):
+    """(the loader workers' uint8 crops, the device's float crops) of the same draws (seed i for file i) of the
+    photos at `paths`: data/photos.py's two sides, the device's on `device`."""
+    import torch
+
+    from hvd_train.data.augment import seed_all
+    from hvd_train.data.photos import PhotoTransform, collate_encoded, crop_batch, decode_batch
+
+    plain, encoded = PhotoTransform(size, train), PhotoTransform(size, train).on_device()
+    cpu, samples = [], []
+    for i, path in enumerate(paths):
+        seed_all(i)
+        cpu.append(plain(path))
+        seed_all(i)
+        samples.append((encoded(path), 0))
+    batch, _ = collate_encoded(samples)
+    return torch.stack(cpu), crop_batch(batch, decode_batch(batch, torch.device(device)))

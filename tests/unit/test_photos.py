@@ -10,12 +10,11 @@ import torch
 from PIL import Image
 
 from conftest import BIN, ROOT
-from formats import DRAFT_MEAN_LEVELS, MEAN_LEVELS, P99_LEVELS, photo
+from formats import DRAFT_MEAN_LEVELS, MEAN_LEVELS, P99_LEVELS, both_ways, photo
 from hvd_train.data import LoaderSpec, build_loaders
 from hvd_train.data.augment import seed_all
 from hvd_train.data.imagefolder import MEAN, STD
-from hvd_train.data.photos import (PhotoTransform, collate_encoded, crop_batch, decode, decode_batch, header,
-                                   val_crop)
+from hvd_train.data.photos import PhotoTransform, decode, header, val_crop
 from hvd_train.datasets import build_datasets
 from hvd_train.config import DataConfig
 from hvd_train.feed import Feed
@@ -36,21 +35,6 @@ def folder(tmp_path_factory):
 
 def files(folder):
     return sorted(str(p) for p in folder.glob("*/*.*"))
-
-
-def both_ways(paths, train, size=224):
-    """(the workers' uint8 crops, the device's float crops) of the same draws (seed i for file i), the device's on
-    CPU tensors."""
-    plain, encoded = PhotoTransform(size, train), PhotoTransform(size, train).on_device()
-    cpu, samples = [], []
-    for i, path in enumerate(paths):
-        seed_all(i)
-        cpu.append(plain(path))
-        seed_all(i)
-        samples.append((encoded(path), 0))
-    batch, _ = collate_encoded(samples)
-    device = crop_batch(batch, decode_batch(batch, torch.device("cpu")))
-    return torch.stack(cpu), device
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["training", "validation"])

@@ -10,26 +10,16 @@ import json
 import pathlib
 import sys
 
-import torch
-
-from hvd_train.data.augment import seed_all
-from hvd_train.data.photos import PhotoTransform, collate_encoded, crop_batch, decode_batch
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: the helpers the unit tests use
+from formats import both_ways  # noqa: E402
 
 
 def main(folder, out):
     paths = sorted(str(p) for p in pathlib.Path(folder).glob("*/*.jpg"))
     record = {}
     for train in (True, False):
-        plain, encoded = PhotoTransform(224, train), PhotoTransform(224, train).on_device()
-        cpu, samples = [], []
-        for i, path in enumerate(paths):
-            seed_all(i)
-            cpu.append(plain(path))
-            seed_all(i)
-            samples.append((encoded(path), 0))
-        batch, _ = collate_encoded(samples)
-        device = crop_batch(batch, decode_batch(batch, torch.device("cuda:0")))
-        diff = (torch.stack(cpu).float() - device.cpu()).abs()
+        cpu, device = both_ways(paths, train, device="cuda:0")
+        diff = (cpu.float() - device.cpu()).abs()
         record["train" if train else "val"] = {"device": str(device.device), "mean": float(diff.mean()),
                                                "p99": float(diff.flatten().quantile(0.99)), "max": float(diff.max())}
     pathlib.Path(out).write_text(json.dumps(record))
