@@ -172,10 +172,14 @@ def decoded_where(train_set, val_set, spec):
     views = photos.on_device(train_set), photos.on_device(val_set)
     if None in views:
         if spec.decode == "gpu":
-            raise DataError("data.decode (--data.decode)=gpu decodes photos (image folders and their tar shards); "
-                            "this data set's samples are not: pass --data.decode cpu or auto")
+            refuse_gpu_decode("this data set's samples")
         return train_set, val_set, None
     return views[0], views[1], photos.collate_encoded
+
+
+def refuse_gpu_decode(samples):
+    raise DataError(f"data.decode (--data.decode)=gpu decodes photos (image folders and their tar shards); {samples} "
+                    f"are not photos: pass --data.decode cpu or auto")
 
 
 def shard_loaders(train_set, val_set, spec, rank, world_size):
@@ -187,9 +191,7 @@ def shard_loaders(train_set, val_set, spec, rank, world_size):
         if isinstance(transforms[0], photos.PhotoTransform):
             transforms = [transform.on_device() for transform in transforms]
         elif spec.decode == "gpu":
-            raise DataError("data.decode (--data.decode)=gpu decodes photos; these shards hold "
-                            f"{train_set.facts.get('source', 'other samples')}, not photos: pass --data.decode cpu "
-                            "or auto")
+            refuse_gpu_decode(f"these shards of {train_set.facts.get('source', 'other samples')}")
     loaders = [shards.ShardLoader(split, spec, place, transform, _worker_context(spec.workers))
                for split, transform in zip((train_set, val_set), transforms)]
     return loaders[0], loaders[1], loaders[0]
