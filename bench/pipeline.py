@@ -12,6 +12,7 @@ app's (--data.decode cpu: uint8 crops from the workers; gpu: bytes from the work
 GPU). With --workers 1 the rate is one core's. bench/run.py's pipeline section and scripts/gpu_check.sh run it.
 """
 import argparse
+import functools
 import json
 import os
 import sys
@@ -24,20 +25,27 @@ def write_photos(root, count, seed=0):
     """`count` JPEGs of ImageNet's usual shape and size, in 10 class folders: cut at random from scikit-learn's two
     bundled photographs, scaled, mirrored, recoloured, with a camera's grain (about 80 KB each; ImageNet's average
     about 110 KB), saved at quality 85-95; written by every core."""
-    import functools
     import multiprocessing
 
     with multiprocessing.Pool(os.cpu_count() or 1) as pool:
         pool.map(functools.partial(write_photo, root, seed), range(count), chunksize=16)
 
 
+@functools.lru_cache(maxsize=None)
+def source_photo(name):
+    """One of scikit-learn's bundled photographs, decoded once a process (it costs as much as a photo written)."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_image
+
+    return Image.fromarray(load_sample_image(name))
+
+
 def write_photo(root, seed, i):
     import numpy as np
     from PIL import Image, ImageEnhance
-    from sklearn.datasets import load_sample_image
 
     rng = np.random.default_rng([seed, i])
-    source = Image.fromarray(load_sample_image(("china.jpg", "flower.jpg")[i % 2]))
+    source = source_photo(("china.jpg", "flower.jpg")[i % 2])
     path = os.path.join(root, f"class{i % 10}", f"{i:06d}.jpg")
     width, height = (500, 375) if rng.random() < 0.75 else (375, 500)
     scale = rng.uniform(max(width / source.width, height / source.height), 1.6)
@@ -47,7 +55,7 @@ def write_photo(root, seed, i):
     if rng.random() < 0.5:
         image = image.transpose(Image.FLIP_LEFT_RIGHT)
     image = ImageEnhance.Color(image).enhance(rng.uniform(0.6, 1.4))
-    grain = rng.normal(0, 10, (height, width, 3))
+    grain = rng.standard_normal((height, width, 3), dtype=np.float32) * 10
     pixels = (np.asarray(image).astype(np.float32) + grain).clip(0, 255).astype(np.uint8)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     Image.fromarray(pixels).save(path, quality=int(rng.integers(85, 96)))
