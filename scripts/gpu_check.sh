@@ -4,16 +4,18 @@
 # write the last one's figures into docs/benchmarks.md.
 #
 #   scripts/gpu_check.sh --horovod-sdist FILE [--python PATH] [--out DIR] [--rounds N] [--batch-size N] [--no-gpu]
-#                        [--skip-step-bench] [--tests EXPR]
+#                        [--skip-step-bench] [--skip-tests | --tests EXPR]
 #
 #   1. checks a GPU is visible (nvidia-smi and torch.cuda) and stops otherwise;
 #   2. scripts/install.sh --python PATH --offline --gpu --horovod-sdist FILE: Horovod with NCCL against that torch,
 #      never reinstalling it (--no-mpi where OpenMPI is missing; the Gloo controller then serves the CPU side);
 #   3. checks `horovodrun --check-build` lists NCCL;
-#   4. runs the tests marked gpu (python -m pytest -m gpu; --tests EXPR: those pytest -k EXPR selects);
+#   4. runs the tests marked gpu (python -m pytest -m gpu; --tests EXPR: those pytest -k EXPR selects; --skip-tests:
+#      none, for a lease too short for both the tests and the pipeline's figures);
 #   5. benchmarks the input pipeline (bench/run.py --sections pipeline): ImageNet-like JPEGs decoded in the loader
 #      workers and on the GPU, and ResNet-50 bf16 channels-last compiled trained from the folder and its shards
-#      against its --benchmark rate; the table goes to OUT/pipeline.md;
+#      against its --benchmark rate (first, each figure printed as it is measured); the table goes to
+#      OUT/pipeline.md;
 #   6. benchmarks the app against a bare PyTorch loop on one GPU (resnet50, AMP bf16 and fp16, channels-last;
 #      bench/gpu_acceptance.py) and writes the table into docs/benchmarks.md (--skip-step-bench leaves it out).
 # Every step's output goes to OUT/gpu_check.log (default runs/gpu_check); the last lines say which steps passed.
@@ -32,6 +34,7 @@ ROUNDS=3
 BATCH=128
 NEED_GPU=1
 STEP_BENCH=1
+TESTS=1
 SELECT=()
 
 die() { printf 'gpu_check.sh: error: %s\n' "$*" >&2; exit 2; }
@@ -44,8 +47,9 @@ while [ $# -gt 0 ]; do
         --batch-size) [ $# -ge 2 ] || die "--batch-size needs a number"; BATCH=$2; shift ;;
         --no-gpu) NEED_GPU=0 ;;
         --skip-step-bench) STEP_BENCH=0 ;;
+        --skip-tests) TESTS=0 ;;
         --tests) [ $# -ge 2 ] || die "--tests needs a pytest -k expression"; SELECT=(-k "$2"); shift ;;
-        -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option '$1' (try --help)" ;;
     esac
     shift
@@ -106,8 +110,12 @@ fi
 # Side by side where pytest-xdist is there: the tests are small next to one GPU's memory and the node's cores.
 parallel=()
 "$PY" -c 'import xdist' 2>/dev/null && parallel=(-n 4)
-step "GPU tests (pytest -m gpu)" "$PY" -m pytest -m gpu -v -p no:cacheprovider "${parallel[@]}" "${SELECT[@]}" \
-    tests/launch/test_gpu.py
+if [ "$TESTS" = 1 ]; then
+    step "GPU tests (pytest -m gpu)" "$PY" -m pytest -m gpu -v -p no:cacheprovider "${parallel[@]}" "${SELECT[@]}" \
+        tests/launch/test_gpu.py
+else
+    results+=("SKIP  GPU tests (--skip-tests)")
+fi
 pipeline() {
     "$PY" bench/run.py --sections pipeline --repeats 1 --results-dir "$OUT/bench" || return 1
     cat "$OUT"/bench/*.md >"$OUT/pipeline.md"
