@@ -1172,13 +1172,18 @@ def horovod_importable():
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
+def extract_sdist(sdist, into):
+    """The sdist unpacked into `into`; returns its source folder."""
+    with tarfile.open(sdist) as tar:
+        # The "data" filter refuses links and paths outside `into`; older Pythons lack it.
+        tar.extractall(into, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    return Path(into) / f"horovod-{HOROVOD_VERSION}"
+
+
 def build_wheel(plan, info, sdist, out_dir, offline):
     with tempfile.TemporaryDirectory(prefix="hvd-train-build-") as tmp:
         tmp = Path(tmp)
-        with tarfile.open(sdist) as tar:
-            # The "data" filter refuses links and paths outside tmp; older Pythons lack it.
-            tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-        src = tmp / f"horovod-{HOROVOD_VERSION}"
+        src = extract_sdist(sdist, tmp)
         log(f"patching for torch {info['torch']} (C++{info['cxx_standard']})")
         apply_patches(src, info["cxx_standard"])
         env = build_env(plan, tmp)
