@@ -35,12 +35,11 @@ $(TEST_TOOLS): $(READY)
 	bash scripts/install.sh --test-tools
 	@touch $@
 
-# Four workers on two cores: most tests wait on launched ranks, and a sleep-bound one (a freeze timeout, SLURM's
-# requeue, an elastic reset) leaves the cores to the others. Fewer left the cores idle between launches and, with
-# one core kept busy by something else, gave that process a larger share (two workers: 49-52 min in three runs;
-# three: 45 min 24 s; docs/testing.md). Tests that share a cluster, a build or trained runs stay on one worker
-# (xdist_group in the files).
-TEST_WORKERS ?= 4
+# Three workers on two cores: most tests wait on launched ranks, and a sleep-bound one (a freeze timeout, SLURM's
+# requeue, an elastic reset) leaves the cores to the other two. Two left the cores idle between launches and, with
+# one core kept busy by something else, gave that process a larger share (49-52 min in three runs, docs/testing.md).
+# Tests that share a cluster, a build or trained runs stay on one worker (xdist_group in the files).
+TEST_WORKERS ?= 3
 
 test: setup lint $(TEST_TOOLS)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30

@@ -32,7 +32,7 @@ TRAIN = ROOT / "train_hvd.py"
 # the last value of a flag wins).
 QUIET = ("--logging.progress=false", "--logging.tensorboard=false", "--logging.plot=false")
 
-# The suite runs four workers on two cores, so torch's OpenMP threads that spin while they wait for work (libgomp's
+# The suite runs three workers on two cores, so torch's OpenMP threads that spin while they wait for work (libgomp's
 # default) take the cores from the other workers' ranks: a 5-epoch one-process digits run with another process
 # keeping a core busy used 16-18 CPU-s spinning, 9 waiting passively, and ended sooner. Read when libgomp loads, so
 # set before this process or any job imports torch; a 2-rank job (one thread a rank) is unchanged.
