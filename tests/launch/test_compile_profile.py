@@ -30,7 +30,11 @@ def test_a_compiled_step_on_2_ranks_equals_an_eager_step_on_1_rank_with_double_b
         torch.testing.assert_close(rank0[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+# The two jobs that compile the default recipe's model on the same shapes run one after the other on one worker:
+# the second then finds the first one's kernels in the suite's TorchInductor cache (21 CPU-s against 58 when both
+# compiled cold at once, 2 ranks each).
 @pytest.mark.distributed
+@pytest.mark.xdist_group("compile_default")
 def test_a_compiled_run_resumes_into_an_eager_one_and_back(tmp_path):
     out = tmp_path / "run"
     proc = train("horovodrun-mpi", 2, out, "--compile", "--epochs", "1")
@@ -54,6 +58,7 @@ def test_a_compiled_run_resumes_into_an_eager_one_and_back(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.xdist_group("compile_default")
 def test_a_compiled_elastic_job_survives_a_lost_worker(tmp_path):
     out = tmp_path / "run"
     elastic_run_losing_a_worker(tmp_path, "--compile", "--output-dir", out)
