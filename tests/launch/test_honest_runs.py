@@ -116,9 +116,8 @@ def interrupted(proc, log, *signums):
     # descendant of horovodrun): they must not die of it before the ranks have agreed on a step and saved.
     ("horovodrun-gloo", "group", signal.SIGINT, 2),   # Ctrl-C in a terminal: the whole foreground group
     ("horovodrun-gloo", "launcher", signal.SIGTERM, 2),
-    # kill -INT <horovodrun's pid>, as the README says. horovodrun --mpi execs the MPI's mpirun, so the pid is
-    # mpirun's, and the SIGTERM case of mpirun below is this launch's too.
-    ("horovodrun-mpi", "launcher", signal.SIGINT, 2),
+    ("horovodrun-mpi", "launcher", signal.SIGINT, 0),  # kill -INT <horovodrun's pid>, as the README says
+    ("horovodrun-mpi", "launcher", signal.SIGTERM, 2),
     ("mpirun", "launcher", signal.SIGTERM, 2),
     ("single", "group", signal.SIGINT, 0),
 ])
