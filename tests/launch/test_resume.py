@@ -184,7 +184,7 @@ def test_a_resumed_run_records_its_resume_points_and_whole_run_totals(tmp_path, 
     # The records are rank 0's; one rank in this process writes them as it does in a job (the ranks a resume finds
     # are recorded in test_resuming_on_another_number_of_ranks_says_what_changes).
     for epochs, resume in ((2, ()), (3, ("--resume", "auto")), (5, ("--resume", "auto"))):
-        train_here(app, tmp_path, "--epochs", epochs, "--logging.tensorboard=false", *resume)
+        train_here(app, tmp_path, "--epochs", epochs, *resume)
     summary = read_json(tmp_path / "summary.json")
     assert [(r["epoch"], r["world_size"]) for r in summary["resumes"]] == [(2, 1), (3, 1)]
     history = summary["history"]
