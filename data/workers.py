@@ -8,6 +8,12 @@ signals itself, on a thread of its own (sigwaitinfo, which tells who sent each),
 come from the training process; the training process alone decides what a stop means
 (hvd_train/guards/interrupt.py).
 
+A stop can also cut a batch's hand-over short: a worker passes each batch's shared-memory file descriptors to its
+training process through multiprocessing's resource sharer, a thread that serves each one on request, and a training
+process that ends mid-request leaves that thread a closed connection, which it reports through sys.excepthook as a
+traceback after the run's own last line. The training process reports its own errors; a worker's sharer has nobody
+left to serve, so a worker passes over those (_quiet_when_the_reader_leaves).
+
 The training process does end its workers with SIGTERM (torch's DataLoader when it shuts down, multiprocessing's
 terminate()): a worker obeys those at once, as torch's own worker handler does.
 
@@ -16,6 +22,7 @@ whose parent is gone: the server must outlive a stop signal too. It imports this
 them from then on; it ends when the training process does (multiprocessing closes its pipe).
 """
 import functools
+from multiprocessing import resource_sharer
 import os
 import signal
 import sys
@@ -35,6 +42,7 @@ def _take_stop_signals(owner, _worker_id=None):
     # starts) inherit the mask, so only the waiter ever takes these signals.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     threading.Thread(target=_wait_for_stop_signals, args=(owner,), name="stop-signals", daemon=True).start()
+    sys.excepthook = _quiet_when_the_reader_leaves(sys.excepthook)
 
 
 def _wait_for_stop_signals(owner):
@@ -42,6 +50,16 @@ def _wait_for_stop_signals(owner):
         info = signal.sigwaitinfo(STOP_SIGNALS)
         if info.si_pid in (owner, os.getppid()):  # ended by the process that runs it: at once, as torch's handler
             os._exit(0)
+
+
+def _quiet_when_the_reader_leaves(hook):
+    def excepthook(kind, value, tb):
+        # _serve catches whatever ends a request and hands it to sys.excepthook, so the traceback's first frame is it
+        lost_reader = issubclass(kind, (ConnectionError, EOFError))
+        in_sharer = tb is not None and tb.tb_frame.f_code is resource_sharer._ResourceSharer._serve.__code__
+        if not (lost_reader and in_sharer):
+            hook(kind, value, tb)
+    return excepthook
 
 
 def _imported_by_a_forkserver():

@@ -125,6 +125,42 @@ def test_loader_workers_fork_from_a_server_that_imported_torch_and_horovod_once(
     assert proc.stdout.split() == ["True", "True", "1"], proc.stdout
 
 
+# What a loader worker's resource sharer meets when its training process stops mid-hand-over of a batch: a reader
+# that connects for a batch's file descriptors and goes away before the handshake ends.
+_CUT_HAND_OVER = """
+import os, socket, sys
+from multiprocessing import resource_sharer
+if sys.argv[1] == "worker":
+    import torch
+    from torch.utils.data import TensorDataset
+    from hvd_train.data import LoaderSpec, build_loaders
+    data = TensorDataset(torch.arange(8).float(), torch.zeros(8, dtype=torch.long))
+    loader, _, _ = build_loaders(data, data, LoaderSpec(4, seed=0, workers=1), 0, 1)
+    loader.worker_init_fn(0)
+read_end, _ = os.pipe()
+resource_sharer.DupFd(read_end)
+reader = socket.socket(socket.AF_UNIX)
+reader.connect(resource_sharer._resource_sharer._address)
+reader.close()
+resource_sharer.stop()  # served after the cut request: when it returns, the sharer has met the cut
+try:
+    raise ConnectionResetError("raised by the worker's own code")
+except ConnectionResetError:
+    sys.excepthook(*sys.exc_info())
+"""
+
+
+def test_a_stop_that_cuts_a_batch_s_hand_over_leaves_no_traceback_from_the_loader_worker():
+    def stderr(process):
+        return subprocess.run([sys.executable, "-c", _CUT_HAND_OVER, process], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, check=True).stderr
+
+    plain, worker = stderr("plain"), stderr("worker")
+    assert "resource_sharer.py" in plain and "raised by the worker's own code" in plain, plain  # what is met
+    assert "resource_sharer.py" not in worker, worker
+    assert "raised by the worker's own code" in worker, worker  # anything else still reaches the hook
+
+
 def test_digits_split_sizes_and_shapes():
     train, val, info = build_datasets(DataConfig())
     assert (info.in_channels, info.num_classes, info.image_size) == (1, 10, 8)
