@@ -218,8 +218,9 @@ def loader_spec(cfg, device):
 
 
 # auto decodes on the GPU below this many loader workers a rank. Measured on an H200 with 16 cores (docs/data.md):
-# one worker makes about 300 photos/s, the GPU's decode about 1,300/s while the same process trains ResNet-50, and
-# 16 workers about 9,300/s: the workers win from about 4 of them.
+# one worker makes about 300 photos/s, and ResNet-50 trained at about 1,400 img/s decoding on the GPU against 3,600
+# with 14 workers decoding: the workers win from about 4 of them. The GPU's figure predates the batches' JPEG bytes
+# travelling as one tensor (one worker reading bytes: 1,550 -> 4,300 photos/s on the 2-core VM); to be measured again.
 GPU_DECODE_BELOW_WORKERS = 4
 
 

@@ -17,7 +17,7 @@ from hvd_train.data.imagefolder import MEAN, STD
 from hvd_train.data.photos import PhotoTransform, decode, header, val_crop
 from hvd_train.datasets import build_datasets
 from hvd_train.config import DataConfig
-from hvd_train.feed import Feed
+from hvd_train.feed import AHEAD, Feed
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +143,68 @@ def test_the_feed_normalizes_uint8_and_erases_by_epoch_and_step():
     assert not torch.equal(first, erasing((images, torch.zeros(4)), key=(2, 8))[0])
     floats = torch.rand(2, 3, 8, 8)
     assert torch.equal(erasing((floats, torch.zeros(2)), key=(1, 1))[0], floats)  # floats are the data set's own
+
+
+def encoded_batches(folder, count, fail_after=None, taken=None):
+    """`count` batches of 2 encoded photos (as the loader hands them for --data.decode gpu); an error instead of
+    batch `fail_after`; `taken` counts the batches drawn."""
+    from hvd_train.data.photos import collate_encoded
+
+    transform = PhotoTransform(32, train=True).on_device()
+    paths = [p for p in files(folder) if p.endswith(".jpg")]
+    for i in range(count):
+        if i == fail_after:
+            raise ValueError(f"batch {i} does not load")
+        if taken is not None:
+            taken.append(i)
+        seed_all(i)
+        yield collate_encoded([(transform(paths[(2 * i + j) % len(paths)]), j) for j in range(2)])
+
+
+def test_a_batch_of_encoded_photos_travels_as_a_few_tensors_whatever_its_size(folder):
+    # A loader worker hands each tensor of a batch over in a shared-memory segment of its own: the JPEGs' bytes go
+    # as one flat tensor, so a batch costs the training process the same few mappings at 2 photos or 128.
+    from hvd_train.data.photos import collate_encoded
+
+    transform = PhotoTransform(32, train=True).on_device()
+    paths = files(folder)  # JPEGs and a PNG, which the worker decodes
+    samples = [(transform(p), i) for i, p in enumerate(paths)]
+    batch, _ = collate_encoded(samples)
+    tensors = [v for v in vars(batch).values() if torch.is_tensor(v)] + list(batch.decoded.values())
+    assert len(tensors) == 5 and len(batch) == len(paths)  # bytes, lengths, boxes, flips; the PNG's pixels
+    for path, sample, image in zip(paths, samples, batch.images):
+        if path.endswith(".png"):
+            assert image.dim() == 3 and torch.equal(image, sample[0].image)
+        else:
+            assert image.dim() == 1 and image.is_contiguous() and bytes(image.numpy()) == open(path, "rb").read()
+
+
+def test_encoded_photos_are_prepared_on_a_thread_in_order_erased_by_step_and_its_errors_reach_the_step(folder):
+    import threading
+
+    from timm.data.random_erasing import RandomErasing
+
+    def feed():
+        return Feed(torch.device("cpu"), MEAN, STD, RandomErasing(1.0, mode="pixel", device="cpu"), seed=5)
+
+    # In the loader's order, each erased by its own (epoch, step): the same as preparing them one by one here.
+    ahead = [images for images, _ in feed().batches(encoded_batches(folder, 5), epoch=2, first_step=3)]
+    one_by_one = feed()
+    alone = [one_by_one(batch, key=(2, step))[0] for step, batch in enumerate(encoded_batches(folder, 5), 3)]
+    assert len(ahead) == 5 and all(torch.equal(a, b) for a, b in zip(ahead, alone))
+    # A batch that does not load stops the step that would take it, with its own error, after those before it.
+    got = []
+    with pytest.raises(ValueError, match="batch 3 does not load"):
+        for images, _ in feed().batches(encoded_batches(folder, 6, fail_after=3), epoch=1):
+            got.append(images)
+    assert len(got) == 3
+    # Left after one batch (a step limit, a stop): the thread ends, having drawn at most the batches it may hold.
+    taken = []
+    batches = feed().batches(encoded_batches(folder, 50, taken=taken), epoch=1)
+    next(batches)
+    batches.close()
+    assert not [t for t in threading.enumerate() if t.name == "hvd-train-decode"]
+    assert len(taken) <= AHEAD + 1, taken
 
 
 def test_shards_with_max_side_hold_bounded_photos_and_record_it(folder, tmp_path):
