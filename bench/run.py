@@ -664,12 +664,12 @@ def section_pipeline(b):
     # (one batch's decoding, a fraction of a second) weighs on the measured epoch as little as it does on ImageNet's.
     count = 200 if b.args.quick else 20000 if torch.cuda.is_available() else 3000
     run([PY, "bench/pipeline.py", "photos", photos, "--count", str(count)], job_env())
-    batches = ["--batch-size", "32", "--batches", "3" if b.args.quick else "20"]
+    one_core = ("--batch-size", "32", "--batches", "3" if b.args.quick else "20")
 
-    def loader(path, workers=1, decode="cpu", size="224"):
+    def loader(path, workers=1, decode="cpu", size="224", timing=one_core):
         out = b.out("pipeline") + ".json"
         run([PY, "bench/pipeline.py", "loader", "--data-dir", photos, "--path", path, "--workers", str(workers),
-             "--decode", decode, "--image-size", size, "--out", out, *batches], job_env())
+             "--decode", decode, "--image-size", size, "--out", out, *timing], job_env())
         with open(out) as f:
             return json.load(f)["img_per_sec"]
 
@@ -681,7 +681,7 @@ def section_pipeline(b):
             return json.load(f)["img_per_sec"]
 
     if torch.cuda.is_available():  # device time is short: the per-core rows are the CPU machine's
-        return gpu_rows(b, photos, shards, count, loader, batches)
+        return gpu_rows(b, photos, shards, count, loader)
     xs, ys = b.alternate(lambda: loader("app"), lambda: loader("torchvision"))
     rows = [ratio_row("pipeline, JPEG folder (500x375) to 224 px, one loader worker", "app's loader img/s / "
                       "torchvision's ImageFolder default pipeline img/s", ">= 1.5", xs, ys)]
@@ -693,7 +693,7 @@ def section_pipeline(b):
     return rows
 
 
-def gpu_rows(b, photos, shards, count, loader, batches):
+def gpu_rows(b, photos, shards, count, loader):
     """The pipeline section on a GPU: ResNet-50 trained from the folder and its shards against its --benchmark, then
     the loader alone with every core's workers, decoding on the GPU against in the workers."""
     import torch
@@ -705,9 +705,9 @@ def gpu_rows(b, photos, shards, count, loader, batches):
     rows = gpu_training_rows(b, photos, shards, cores)
     # A GPU's batch; past the batches the workers hold ready (2 each) before the timing starts, so that the rate
     # is what they keep up, not what they had prefetched.
-    batches[:] = ["--batch-size", "128", "--batches", "60", "--warmup", str(2 * int(cores) + 1)]
-    xs, ys = b.alternate(lambda: said("loader, GPU decode", loader("app", cores, "gpu")),
-                         lambda: said("loader, workers' decode", loader("app", cores, "cpu")))
+    timing = ("--batch-size", "128", "--batches", "60", "--warmup", str(2 * int(cores) + 1))
+    xs, ys = b.alternate(lambda: said("loader, GPU decode", loader("app", cores, "gpu", timing=timing)),
+                         lambda: said("loader, workers' decode", loader("app", cores, "cpu", timing=timing)))
     rows.append(ratio_row(f"pipeline, JPEG folder to 224 px, batch 128, {cores} workers, "
                           f"{torch.cuda.get_device_name()}", "decoded on the GPU img/s / in the workers img/s", "> 1",
                           xs, ys))
