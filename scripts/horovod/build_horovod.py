@@ -401,7 +401,42 @@ def patches(cxx_standard):
          "\n\nif __name__ == '__main__':\n",
          "after a rank's one-line error (exit 2), horovodrun --gloo printed a 20-line Python traceback of its own "
          "and exited 1; it now says which rank ended the job and exits with that rank's code"),
-    ] + bfloat16_patches() + shm_allreduce_patches()
+    ] + bfloat16_patches() + shm_allreduce_patches() + unity_build_patches()
+
+
+# gloo's sources that cannot share a unity file with the others: allreduce.cc defines its own ReductionFunction in
+# the namespace where algorithm.h defines a template of that name.
+GLOO_OWN_UNITS = ("allreduce.cc",)
+
+
+def unity_build(target, own_units=()):
+    """CMake lines that compile `target`'s sources (but `own_units`) 16 at a time as one file each (CMake >= 3.16)."""
+    skips = " ".join(own_units)
+    return (f"# hvd-train: a unity build: the headers are parsed once for several sources, not once per source.\n"
+            f"if(NOT CMAKE_VERSION VERSION_LESS 3.16)\n"
+            f"    set_target_properties({target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 16)\n"
+            # A unity file reads mpi.h once, as the first of its sources to include it asks; some of Horovod's
+            # sources ask for it without MPI's C++ bindings, which nothing here uses or links (an OpenMPI 4 built
+            # with them would want libmpi_cxx), so every source asks the same.
+            f"    target_compile_definitions({target} PRIVATE OMPI_SKIP_MPICXX= MPICH_SKIP_MPICXX=)\n"
+            + (f"    set_source_files_properties({skips} PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)\n" if skips else "")
+            + "endif()\n")
+
+
+def unity_build_patches():
+    why = ("compiled as unity builds, several sources to a file, so the headers each includes (torch's above all) are "
+           "parsed once per file, not once per source")
+    return [
+        ("third_party/gloo/gloo/CMakeLists.txt",
+         "add_library(gloo ${GLOO_STATIC_OR_SHARED} ${GLOO_SRCS})\n",
+         "add_library(gloo ${GLOO_STATIC_OR_SHARED} ${GLOO_SRCS})\n" + unity_build("gloo", GLOO_OWN_UNITS),
+         "gloo " + why),
+        ("horovod/torch/CMakeLists.txt",
+         "add_library(${PYTORCH_TARGET_LIB} SHARED ${SOURCES} ${PYTORCH_SOURCES})\n",
+         "add_library(${PYTORCH_TARGET_LIB} SHARED ${SOURCES} ${PYTORCH_SOURCES})\n"
+         + unity_build("${PYTORCH_TARGET_LIB}"),
+         "Horovod's torch extension " + why),
+    ]
 
 
 def bfloat16_patches():

@@ -119,9 +119,10 @@ def fake_sdist(root):
           "def _check_extension_lambda(ext_base_name, fn, fn_desc, verbose):\n"
           "        try:\n            ext = importlib.import_module('.' + ext_base_name, 'horovod')\n"
           "            result = fn(ext)\n")
-    # bfloat16's and the shared-memory allreduce's anchors, each once in its file (every real build checks them
-    # against the real sdist).
-    for rel, old, _new, _why in build_horovod.bfloat16_patches() + build_horovod.shm_allreduce_patches():
+    # bfloat16's, the shared-memory allreduce's and the unity builds' anchors, each once in its file (every real
+    # build checks them against the real sdist).
+    for rel, old, _new, _why in (build_horovod.bfloat16_patches() + build_horovod.shm_allreduce_patches()
+                                 + build_horovod.unity_build_patches()):
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
@@ -140,6 +141,22 @@ def test_patches_raise_the_standard_everywhere_and_let_cpu_builds_ignore_cuda_to
     assert "HVD_TRAIN_TORCH_CPU_ONLY" in find and "set(Pytorch_CUDA FALSE)" in find
     # Optimized as Horovod builds it, without debug info; HOROVOD_DEBUG=1 still asks for a debug build.
     assert "else 'Release'" in (tmp_path / "setup.py").read_text()
+
+
+def test_gloo_and_the_torch_extension_compile_as_unity_builds_without_mpis_cpp_bindings(tmp_path):
+    # Several sources to a compiler run (the CPU build's compiler time 205 -> 80-94 CPU-s here); gloo's allreduce.cc
+    # alone, as its ReductionFunction clashes with algorithm.h's; every source without MPI's C++ bindings, as the
+    # sources that include mpi.h first in a unity file decide it for the rest.
+    fake_sdist(tmp_path)
+    build_horovod.apply_patches(tmp_path, 20)
+    for rel, target in (("third_party/gloo/gloo/CMakeLists.txt", "gloo"),
+                        ("horovod/torch/CMakeLists.txt", "${PYTORCH_TARGET_LIB}")):
+        cmake = (tmp_path / rel).read_text()
+        assert f"set_target_properties({target} PROPERTIES UNITY_BUILD ON" in cmake, cmake
+        assert f"target_compile_definitions({target} PRIVATE OMPI_SKIP_MPICXX= MPICH_SKIP_MPICXX=)" in cmake
+        assert ("SKIP_UNITY_BUILD_INCLUSION" in cmake) == (target == "gloo"), cmake
+    assert "set_source_files_properties(allreduce.cc PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)" in \
+        (tmp_path / "third_party/gloo/gloo/CMakeLists.txt").read_text()
 
 
 def test_horovodrun_reads_the_build_flags_without_importing_torch():
