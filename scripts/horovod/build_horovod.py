@@ -414,7 +414,10 @@ def unity_build(target, own_units=()):
     skips = " ".join(own_units)
     return (f"# hvd-train: a unity build: the headers are parsed once for several sources, not once per source.\n"
             f"if(NOT CMAKE_VERSION VERSION_LESS 3.16)\n"
-            f"    set_target_properties({target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 16)\n"
+            # Relocatable (CMake >= 4.0): each unity file includes its sources by paths relative to the tree, not
+            # by the build's temporary folder, so the compiler cache finds them again in the next build's folder.
+            f"    set_target_properties({target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 16\n"
+            f"                          UNITY_BUILD_RELOCATABLE ON)\n"
             # A unity file reads mpi.h once, as the first of its sources to include it asks; some of Horovod's
             # sources ask for it without MPI's C++ bindings, which nothing here uses or links (an OpenMPI 4 built
             # with them would want libmpi_cxx), so every source asks the same.
@@ -1273,7 +1276,7 @@ def build_wheel(plan, info, sdist, out_dir, offline):
         apply_patches(src, info["cxx_standard"])
         env = build_env(plan, tmp)
         parts = (["NCCL"] if plan.gpu else []) + (["MPI"] if plan.mpi else []) + ["Gloo"]
-        log(f"compiling Horovod ({' + '.join(parts)}, PyTorch only); about 2 minutes on 2 cores for "
+        log(f"compiling Horovod ({' + '.join(parts)}, PyTorch only); about 1.5 minutes on 2 cores for "
             f"{'the CPU part, more for each GPU architecture' if plan.gpu else 'the CPU build'}")
         cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist")]
         try:
