@@ -1,6 +1,7 @@
 """Helpers for launching real Horovod jobs from tests: horovodrun (Gloo or MPI), mpirun, or one plain process; for
 running the app's command line inside the test process, where a test needs no second rank; an elastic job that loses
 a worker; a real MLflow server (the `server` fixture); a free loopback port. Every folder's tests share them."""
+import compileall
 import faulthandler
 import functools
 import json
@@ -73,6 +74,17 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         _INDUCTOR_CACHE.append(tempfile.mkdtemp(prefix="hvdt-inductor-"))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE[0]
+    if not hasattr(config, "workerinput"):
+        compile_checkout()
+
+
+def compile_checkout():
+    """The checkout's modules byte-compiled once, before any job starts. Where PYTHONDONTWRITEBYTECODE is set (CI
+    harnesses and containers set it), Python reads __pycache__ but never writes it, so every rank, and the
+    forkserver of its loader workers, compiled the app's 126 modules from source again: 0.3 CPU-s a process, and
+    the suite starts well over a thousand."""
+    for name in ("hvd_utils", "hvd_train", "models", "data", "bench"):
+        compileall.compile_dir(ROOT / name, quiet=1)
 
 
 def pytest_unconfigure(config):
@@ -113,7 +125,7 @@ def find_mpirun():
     return mpirun, "openmpi" if kind == "openmpi" else "hydra"
 
 
-def launch(launcher, np, script, *args, timeout=300, check=True, env=None, cwd=ROOT, offline=False):
+def launch(launcher, np, script, *args, timeout=600, check=True, env=None, cwd=ROOT, offline=False):
     """Run `script` (a path) with `args` under `launcher` with `np` ranks (`env`: extra variables for every rank),
     from `cwd`, in a network namespace without network where `offline`; returns the CompletedProcess. `timeout`
     only ends a hung job: no test may depend on how fast this machine is."""
@@ -126,7 +138,7 @@ def launch(launcher, np, script, *args, timeout=300, check=True, env=None, cwd=R
     return proc
 
 
-def run_app(launcher, np, *args, check=True, env=None, timeout=300, cwd=ROOT, offline=False):
+def run_app(launcher, np, *args, check=True, env=None, timeout=600, cwd=ROOT, offline=False):
     """train_hvd.py with QUIET and `args` under `launcher` with `np` ranks, from `cwd`; returns the
     CompletedProcess."""
     return launch(launcher, np, TRAIN, *QUIET, *args, check=check, env=env, timeout=timeout, cwd=cwd,

@@ -272,6 +272,55 @@ def patches(cxx_standard):
          "        terminate_executor_shell_and_children(executor_shell.pid)\n",
          "        terminate_executor_shell_and_children(executor_shell.pid, executor_shell)\n",
          "the same, when the launcher itself died"),
+        ("horovod/runner/common/util/safe_shell_exec.py",
+         "GRACEFUL_TERMINATION_TIME_S = 5\n",
+         "GRACEFUL_TERMINATION_TIME_S = 5\n"
+         "# hvd-train: each rank's grace, shared with the middleman that ends it: raised for every rank at once when\n"
+         "# horovodrun itself is signalled (gloo_run.py), as the ranks then save at their next step before they stop.\n"
+         "_GRACES = []\n"
+         "\n\n"
+         "def grant_stop_grace(seconds):\n"
+         "    for grace in _GRACES:\n"
+         "        grace.value = max(grace.value, seconds)\n",
+         "kill -TERM or Ctrl-C of horovodrun --gloo killed the ranks 5 s after passing the signal on: on a busy "
+         "machine, or with a large model, before they had agreed on a step and saved (both ranks exited 137 and no "
+         "checkpoint was written). Signalled itself, horovodrun now gives them 30 s; ranks a failed peer left stuck "
+         "keep the 5 s"),
+        ("horovod/runner/common/util/safe_shell_exec.py",
+         "def _exec_middleman(command, env, exit_event, stdout, stderr, rw):\n",
+         "def _exec_middleman(command, env, exit_event, stdout, stderr, rw, grace):\n",
+         "the same: the middleman is handed its rank's grace"),
+        ("horovod/runner/common/util/safe_shell_exec.py",
+         "    on_event(exit_event, terminate_executor_shell_and_children, args=(executor_shell.pid, executor_shell),\n"
+         "             daemon=True)\n",
+         "    def terminate():\n"
+         "        # hvd-train: with the grace horovodrun gives at this moment.\n"
+         "        global GRACEFUL_TERMINATION_TIME_S\n"
+         "        GRACEFUL_TERMINATION_TIME_S = grace.value\n"
+         "        terminate_executor_shell_and_children(executor_shell.pid, executor_shell)\n"
+         "\n"
+         "    on_event(exit_event, terminate, daemon=True)\n",
+         "the same: the middleman ends its rank with that grace"),
+        ("horovod/runner/common/util/safe_shell_exec.py",
+         "    exit_event = _create_event(ctx)\n",
+         "    exit_event = _create_event(ctx)\n"
+         "    grace = ctx.Value('d', GRACEFUL_TERMINATION_TIME_S)  # hvd-train: see grant_stop_grace\n"
+         "    _GRACES.append(grace)\n",
+         "the same: one grace a rank"),
+        ("horovod/runner/common/util/safe_shell_exec.py",
+         "                                                          (r, w)))\n",
+         "                                                          (r, w), grace))\n",
+         "the same: passed to the middleman"),
+        ("horovod/runner/common/util/safe_shell_exec.py",
+         "    finally:\n        stop.set()\n",
+         "    finally:\n        stop.set()\n        _GRACES.remove(grace)\n",
+         "the same: forgotten when the rank has ended"),
+        ("horovod/runner/gloo_run.py",
+         "    def set_event_on_signal(signum, frame):\n        event.set()\n",
+         "    def set_event_on_signal(signum, frame):\n"
+         "        safe_shell_exec.grant_stop_grace(30)  # hvd-train: SLURM's KillWait, Kubernetes' grace\n"
+         "        event.set()\n",
+         "the same: a signal to horovodrun grants the 30 s"),
         ("horovod/runner/mpi_run.py",
          "        os.execve('/bin/sh', ['/bin/sh', '-c', mpirun_command], env)",
          "        # hvd-train: exec, so horovodrun's pid becomes mpirun's and a signal sent to it reaches mpirun,\n"

@@ -109,12 +109,18 @@ def fake_sdist(root):
           "import sys\n\n\ndef run_commandline():\n    args = parse_args()\n\n    _run(args)\n\n\n"
           "if __name__ == '__main__':\n    run_commandline()\n")
     write(root / "horovod/runner/common/util/safe_shell_exec.py",
+          "GRACEFUL_TERMINATION_TIME_S = 5\n\n\n"
           "def terminate_executor_shell_and_children(pid):\n    p = psutil.Process(pid)\n"
           "    try:\n        p.wait(timeout=GRACEFUL_TERMINATION_TIME_S)\n    except psutil.TimeoutExpired:\n"
           "        p.kill()\n\n"
+          "def _exec_middleman(command, env, exit_event, stdout, stderr, rw):\n"
           "    on_event(exit_event, terminate_executor_shell_and_children, args=(executor_shell.pid,), daemon=True)\n"
           "    def kill_executor_children_if_parent_dies():\n"
-          "        terminate_executor_shell_and_children(executor_shell.pid)\n")
+          "        terminate_executor_shell_and_children(executor_shell.pid)\n"
+          "    exit_event = _create_event(ctx)\n"
+          "                                                          (r, w)))\n"
+          "    finally:\n        stop.set()\n")
+    write(root / "horovod/runner/gloo_run.py", "    def set_event_on_signal(signum, frame):\n        event.set()\n")
     write(root / "horovod/common/util.py",
           "def _check_extension_lambda(ext_base_name, fn, fn_desc, verbose):\n"
           "        try:\n            ext = importlib.import_module('.' + ext_base_name, 'horovod')\n"
@@ -265,6 +271,11 @@ def test_patches_for_clusters_use_the_named_interface_and_survive_an_elastic_rei
     runner = (tmp_path / "horovod/runner/common/util/safe_shell_exec.py").read_text()
     assert "p.wait(" not in runner and "shell.wait(timeout=GRACEFUL_TERMINATION_TIME_S)" in runner
     assert runner.count("executor_shell.pid, executor_shell)") == 2
+    # Signalled itself, horovodrun --gloo has every rank's middleman wait 30 s for it (ranks a failed peer left
+    # stuck keep 5 s): the grace is shared with the middleman and read when it ends the rank.
+    assert "grace.value = max(grace.value, seconds)" in runner and "GRACEFUL_TERMINATION_TIME_S = grace.value" in runner
+    assert "(r, w), grace))" in runner and "rw, grace):" in runner
+    assert "safe_shell_exec.grant_stop_grace(30)" in (tmp_path / "horovod/runner/gloo_run.py").read_text()
 
 
 def test_every_patch_matches_the_real_sdist_once(tmp_path):

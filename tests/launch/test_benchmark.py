@@ -160,7 +160,7 @@ def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path
     cmd = [sys.executable, "bench/run.py", "--quick", "--repeats", "1", "--results-dir", str(tmp_path), "--sections"]
     # The second run, of another section, has to find the first one's files there and write beside them.
     for sections in ("overhead,peer,accuracy", "data,pipeline,shard,mpi"):
-        proc = subprocess.run(cmd + [sections], cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd + [sections], cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=1200)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         if sections == "overhead,peer,accuracy":
             first_output = proc.stdout
