@@ -221,7 +221,7 @@ def test_horovodrun_signalled_gives_the_ranks_time_to_save_before_it_kills_them(
     finally:
         proc.kill()
     assert sorted(p.name for p in tmp_path.glob("stopped-*")) == ["stopped-0", "stopped-1"], output
-    assert "exited with status 3" in output and "137" not in output, output
+    assert "exited with status 3" in output and "status code 137" not in output, output
 
 
 # --------------------------------------------------------------------------------------------------------------------
