@@ -71,11 +71,12 @@ def pytest_configure(config):
     # One TorchInductor cache for the whole run, its workers and their jobs (torch's default is one per user under
     # the temporary folder, which job_env gives each test process): each --compile test compiled the same small
     # models cold, 15-20 CPU-s a rank. The benchmark's compile section keeps caches of its own (a cold first run).
-    if not hasattr(config, "workerinput") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller has done both
+        return
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         _INDUCTOR_CACHE.append(tempfile.mkdtemp(prefix="hvdt-inductor-"))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE[0]
-    if not hasattr(config, "workerinput"):
-        compile_checkout()
+    compile_checkout()
 
 
 def compile_checkout():
