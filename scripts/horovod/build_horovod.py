@@ -315,6 +315,17 @@ def patches(cxx_standard):
          "    finally:\n        stop.set()\n",
          "    finally:\n        stop.set()\n        _GRACES.remove(grace)\n",
          "the same: forgotten when the rank has ended"),
+        ("horovod/runner/common/util/safe_shell_exec.py",
+         "    return middleman.exitcode\n",
+         "    # hvd-train: another thread's Process.start() (horovodrun --gloo's host discovery, every second in an\n"
+         "    # elastic job) polls every child and can reap the middleman between this thread's two waits; join() then\n"
+         "    # returns before that thread has stored the exit status, which lands in the same Popen a moment later.\n"
+         "    deadline = time.monotonic() + 10\n"
+         "    while middleman.exitcode is None and time.monotonic() < deadline:\n"
+         "        time.sleep(0.01)\n"
+         "    return middleman.exitcode\n",
+         "in an elastic job, a rank that finished could be counted as failed with exit code None (and horovodrun "
+         "exit 1 after the run had finished) when the host discovery's Process.start() reaped its runner first"),
         ("horovod/runner/gloo_run.py",
          "    def set_event_on_signal(signum, frame):\n        event.set()\n",
          "    def set_event_on_signal(signum, frame):\n"

@@ -119,7 +119,8 @@ def fake_sdist(root):
           "        terminate_executor_shell_and_children(executor_shell.pid)\n"
           "    exit_event = _create_event(ctx)\n"
           "                                                          (r, w)))\n"
-          "    finally:\n        stop.set()\n")
+          "    finally:\n        stop.set()\n"
+          "    return middleman.exitcode\n")
     write(root / "horovod/runner/gloo_run.py", "    def set_event_on_signal(signum, frame):\n        event.set()\n")
     write(root / "horovod/common/util.py",
           "def _check_extension_lambda(ext_base_name, fn, fn_desc, verbose):\n"
@@ -276,6 +277,8 @@ def test_patches_for_clusters_use_the_named_interface_and_survive_an_elastic_rei
     assert "grace.value = max(grace.value, seconds)" in runner and "GRACEFUL_TERMINATION_TIME_S = grace.value" in runner
     assert "(r, w), grace))" in runner and "rw, grace):" in runner
     assert "safe_shell_exec.grant_stop_grace(30)" in (tmp_path / "horovod/runner/gloo_run.py").read_text()
+    # A rank's runner reaped by another thread's Process.start() still reports its exit status, not None.
+    assert "while middleman.exitcode is None and time.monotonic() < deadline:" in runner
 
 
 def test_every_patch_matches_the_real_sdist_once(tmp_path):
