@@ -1,6 +1,7 @@
 """Runs that never lie: a full disk that stops every rank with one message and leaves one record per epoch,
 interruptions (Ctrl-C, SIGTERM) that say where the run stopped, bad paths refused before anything is built, and
 Horovod's autotuner left free to tune. (Resumes that refuse what they cannot continue: test_resume.py.)"""
+import json
 import os
 import re
 import signal
@@ -9,7 +10,7 @@ import subprocess
 import pytest
 
 from hvd_train.run import checkpoint
-from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, epochs_in, find_mpirun, job_env,
+from conftest import (BIN, QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, epochs_in, find_mpirun, job_env,
                       launch_command, read_json, run_app, tensorboard_steps, train_here, wait_for)
 
 TENSORBOARD = "--logging.tensorboard=true"  # these tests read the events back
@@ -222,6 +223,15 @@ def test_horovodrun_signalled_gives_the_ranks_time_to_save_before_it_kills_them(
         proc.kill()
     assert sorted(p.name for p in tmp_path.glob("stopped-*")) == ["stopped-0", "stopped-1"], output
     assert "exited with status 3" in output and "status code 137" not in output, output
+
+
+def test_a_ranks_exit_status_survives_another_thread_reaping_its_runner(worker):
+    # An elastic job's host discovery starts a process every second, and Process.start() polls every child: it reaped
+    # a finished rank's runner first often enough that the rank counted as failed with exit code None.
+    proc = subprocess.run([str(BIN / "python"), worker("reaped_runner.py"), "40"], cwd=ROOT, env=job_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == [3] * 40
 
 
 # --------------------------------------------------------------------------------------------------------------------
