@@ -317,9 +317,9 @@ def patches(cxx_standard):
          "the same: forgotten when the rank has ended"),
         ("horovod/runner/common/util/safe_shell_exec.py",
          "    return middleman.exitcode\n",
-         "    # hvd-train: another thread's Process.start() (horovodrun --gloo's host discovery, every second in an\n"
-         "    # elastic job) polls every child and can reap the middleman between this thread's two waits; join() then\n"
-         "    # returns before that thread has stored the exit status, which lands in the same Popen a moment later.\n"
+         "    # hvd-train: another thread's Process.start() (horovodrun --gloo's host discovery, every second in\n"
+         "    # an elastic job) polls every child and can reap the middleman between this thread's two waits; join()\n"
+         "    # then returns before that thread has stored the exit status, which lands in the Popen a moment later.\n"
          "    deadline = time.monotonic() + 10\n"
          "    while middleman.exitcode is None and time.monotonic() < deadline:\n"
          "        time.sleep(0.01)\n"
