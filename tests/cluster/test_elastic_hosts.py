@@ -1,6 +1,7 @@
 """Elastic training across hosts (tests/cluster.py: network namespaces with their own hostnames and sshd): a host
 that dies mid-epoch, a host that joins a running job, and the loss of the host that holds rank 0. Each job ends
 with exit 0, redoes at most one commit interval and reaches the accuracy bar."""
+import os
 import signal
 import subprocess
 import sys
@@ -60,8 +61,12 @@ def workers_of(out):
     """The training processes of the job writing to `out`, on every host (the hosts share this machine's pids)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if "train_hvd.py" in cmdline and str(out) in cmdline and "horovodrun" not in cmdline:
+        argv = proc.info["cmdline"] or []
+        cmdline = " ".join(argv)
+        # Python processes only: the ssh client and the remote shell that started a worker name the same script and
+        # folder, and SIGUSR2 ends them, cutting the worker's stack dump off on its way back.
+        if argv and "python" in os.path.basename(argv[0]) and "train_hvd.py" in cmdline and str(out) in cmdline \
+                and "horovodrun" not in cmdline:
             found.append(proc)
     return found
 
