@@ -10,12 +10,13 @@ READY := $(VENV)/.hvd-train-ready
 # The programs the test suite starts besides the app (SLURM, munge): installed once, for make test only.
 TEST_TOOLS := $(VENV)/.hvd-train-test-tools
 
-.PHONY: setup demo test test-images bench lint clean help
+.PHONY: setup demo test test-builds test-images bench lint clean help
 
 help:
 	@echo "make setup   create .venv, install OpenMPI if missing, build Horovod against torch (cached)"
 	@echo "make demo    train the small CNN on the digits with $(NP) Horovod ranks, print the summary"
 	@echo "make test    run the whole test suite (real horovodrun and mpirun launches on the CPU)"
+	@echo "make test-builds  compile the NCCL build and the offline build against another torch, and train with each"
 	@echo "make test-images  build both Docker images and train in and across containers (needs a Docker engine)"
 	@echo "make bench   benchmark against bare PyTorch, torchrun DDP and raw allreduce; writes bench/results/<date>.{json,md}"
 	@echo "make lint    flake8"
@@ -43,6 +44,11 @@ TEST_WORKERS ?= 3
 
 test: setup lint $(TEST_TOOLS)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30
+
+# The Horovod builds beyond the CPU one: minutes of compiling on a new machine (marked `build`, left out of make test
+# like the images, so that the suite fits CI's time on a slow 2-core machine).
+test-builds: setup
+	$(PY) -m pytest -m build tests/cluster/test_builds.py
 
 test-images: setup
 	$(PY) -m pytest -m images -s tests/cluster/test_images.py

@@ -22,25 +22,26 @@ def test_resuming_is_bitwise_exact_from_an_epoch_s_end_and_from_within_an_epoch(
     # them: every piece of state matters. So do the seeded draws of augmentation (RandAugment, erasing) in loader
     # workers, of mixup/CutMix, and the weight average (whose BatchNorm statistics are each rank's too).
     # The resumed run stops twice: at the end of epoch 1, and killed (SIGKILL, every rank and its loader workers)
-    # right after the checkpoint of run step 30, the 8th of epoch 2's 22 (one every 10 steps).
-    common = ["--lr-schedule", "step", "--optim.lr_milestones", "2", "--warmup-epochs", "0.5", "--model-ema",
+    # right after the checkpoint of run step 30, the 8th of epoch 2's 22 (one every 10 steps); epoch 2 is the last,
+    # so the resumed run's last steps and its end-of-epoch averaging of the statistics both follow the kill.
+    common = ["--lr-schedule", "step", "--optim.lr_milestones", "1", "--warmup-epochs", "0.5", "--model-ema",
               "--model-ema-warmup", "--mixup", "0.4", "--cutmix", "1.0", "--aa", "rand-m7-mstd0.5", "--reprob", "0.3",
               "--workers", "2", "--checkpoint.every_steps", "10", "--model", "timm/resnet10t", "--image-size", "16",
               "--model-args", "drop_rate=0.25", "--drop-path", "0.1", *QUIET]
-    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "straight", "--epochs", "3", *common)
+    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "straight", "--epochs", "2", *common)
     launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "1", *common)
     killed = launch("mpirun", 2, WORKERS / "killed_after_save.py", "30", "--", "--output-dir", tmp_path / "resumed",
-                    "--epochs", "3", "--resume", "auto", *common, check=False)
+                    "--epochs", "2", "--resume", "auto", *common, check=False)
     assert killed.returncode != 0 and "resuming after epoch 1" in killed.stdout
     within = last_checkpoint(tmp_path / "resumed")
     assert (within["epoch"], within["step"], within["partial"]["epoch"], within["partial"]["steps"]) == (1, 30, 2, 8)
     assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints"))[-1] == "step_00000030.pt"
     shutil.copytree(tmp_path / "resumed", tmp_path / "on-one-rank")
-    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "3", "--resume", "auto",
+    proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "2", "--resume", "auto",
                   *common)
     assert "resumed within epoch 2: epoch 2 continues after its step 8, each rank where it was" in proc.stdout
     straight, resumed = last_checkpoint(tmp_path / "straight"), last_checkpoint(tmp_path / "resumed")
-    assert straight["epoch"] == resumed["epoch"] == 3 and resumed["partial"] is None
+    assert straight["epoch"] == resumed["epoch"] == 2 and resumed["partial"] is None
     for part in ("model", "ema"):
         for name, value in straight[part].items():
             assert torch.equal(value, resumed[part][name]), f"{part}.{name} differs after resuming"
@@ -50,14 +51,14 @@ def test_resuming_is_bitwise_exact_from_an_epoch_s_end_and_from_within_an_epoch(
     assert straight["step"] == resumed["step"]
     assert straight["optimizer"]["param_groups"][0]["lr"] == resumed["optimizer"]["param_groups"][0]["lr"]
     summary = read_json(tmp_path / "resumed" / "summary.json")
-    assert [h["epoch"] for h in summary["history"]] == [1, 2, 3] == epochs_in(tmp_path / "resumed")
+    assert [h["epoch"] for h in summary["history"]] == [1, 2] == epochs_in(tmp_path / "resumed")
     # Epoch 2's figures too: each rank's sums of its first 8 steps came back from the checkpoint.
     for key in ("train_loss", "train_count", "val_loss", "val_ema_loss"):
         assert [h[key] for h in summary["history"]] == \
             [h[key] for h in read_json(tmp_path / "straight" / "summary.json")["history"]], key
     assert [(r["epoch"], r["step"]) for r in summary["resumes"]] == [(1, 22), (1, 30)]
-    assert summary["last_checkpoint"] == {"epoch": 3, "end_of_epoch": True}
-    assert summary["checkpoints_within_epochs"]["count"] == 3  # steps 40, 50 and 60
+    assert summary["last_checkpoint"] == {"epoch": 2, "end_of_epoch": True}
+    assert summary["checkpoints_within_epochs"]["count"] == 1  # step 40
 
     # On one rank, the rest of epoch 2 (every sample the 2 ranks had not read in its first 8 steps) is dealt to it.
     proc = launch("single", 1, TRAIN, "--output-dir", tmp_path / "on-one-rank", "--epochs", "2", "--resume", "auto",
@@ -76,14 +77,14 @@ def test_resuming_is_bitwise_exact_from_an_epoch_s_end_and_from_within_an_epoch(
 def test_photos_as_uint8_with_erasing_on_the_device_resume_bitwise_within_an_epoch(tmp_path):
     # JPEGs of an image folder: decoded and cropped to uint8 in a loader worker per rank, normalized and randomly
     # erased by the feed (seeded by the step), into torchvision's ResNet-18 (BatchNorm) on 2 ranks under mpirun.
-    # Killed (SIGKILL) right after the checkpoint of run step 8, the 2nd of epoch 2's 6; resumed, it ends where a
-    # run that never stopped ends, bit for bit.
+    # Killed (SIGKILL) right after the checkpoint of run step 8, the 2nd of epoch 2's 6 (the last epoch); resumed, it
+    # ends where a run that never stopped ends, bit for bit.
     from formats import write_image_folder
 
     write_image_folder(tmp_path / "photos", per_class=40, size=48, ext="jpg")
     common = ["--dataset", "imagefolder", "--data-dir", tmp_path / "photos", "--model", "resnet18", "--image-size",
               "32", "--batch-size", "8", "--workers", "1", "--reprob", "0.5", "--checkpoint.every_steps", "4",
-              "--epochs", "3", *QUIET]
+              "--epochs", "2", *QUIET]
     launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "straight", *common)
     killed = launch("mpirun", 2, WORKERS / "killed_after_save.py", "8", "--", "--output-dir", tmp_path / "resumed",
                     *common, check=False)
@@ -93,7 +94,7 @@ def test_photos_as_uint8_with_erasing_on_the_device_resume_bitwise_within_an_epo
     proc = launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--resume", "auto", *common)
     assert "epoch 2 continues after its step 2, each rank where it was" in proc.stdout
     straight, resumed = last_checkpoint(tmp_path / "straight"), last_checkpoint(tmp_path / "resumed")
-    assert straight["step"] == resumed["step"] == 18
+    assert straight["step"] == resumed["step"] == 12
     for name, value in straight["model"].items():
         assert torch.equal(value, resumed["model"][name]), f"{name} differs after resuming"
     summaries = [read_json(tmp_path / run / "summary.json")["history"] for run in ("straight", "resumed")]
