@@ -15,7 +15,7 @@ TEST_TOOLS := $(VENV)/.hvd-train-test-tools
 help:
 	@echo "make setup   create .venv, install OpenMPI if missing, build Horovod against torch (cached)"
 	@echo "make demo    train the small CNN on the digits with $(NP) Horovod ranks, print the summary"
-	@echo "make test    run the whole test suite (real horovodrun and mpirun launches on the CPU)"
+	@echo "make test    run the test suite (real horovodrun and mpirun launches on the CPU; not the builds or images)"
 	@echo "make test-builds  compile the NCCL build and the offline build against another torch, and train with each"
 	@echo "make test-images  build both Docker images and train in and across containers (needs a Docker engine)"
 	@echo "make bench   benchmark against bare PyTorch, torchrun DDP and raw allreduce; writes bench/results/<date>.{json,md}"
