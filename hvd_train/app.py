@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 
 import torch
 
@@ -109,10 +110,14 @@ def settle(cfg, rt):
 
 def warn_of_many_workers(workers, rt):
     """More loader workers than this rank's share of the host's usable cores: said in one line by rank 0 (they
-    only take turns on those cores, each with its own memory)."""
+    only take turns on those cores, each with its own memory). torch's own warning of the same, a paragraph from
+    each loader of each rank, is silenced: it fires only where this one does (above all the usable cores)."""
     cores = hvd_utils.usable_cpus()
     share = max(1, cores // rt.local_size)
-    if workers > share and rt.is_main:
+    if workers <= share:
+        return
+    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+    if rt.is_main:
         log.warning("warning: --workers %d: more loader workers than the %d core(s) each rank has here (%d usable, "
                     "%d rank(s) on this host); they take turns on them, each holding its own memory: --workers %d "
                     "is as many as run at once", workers, share, cores, rt.local_size, share)

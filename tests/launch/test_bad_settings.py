@@ -105,3 +105,4 @@ def test_more_loader_workers_than_a_rank_s_cores_is_said_in_one_line(tmp_path):
     said = [line for line in output.splitlines() if "--workers 2: more loader workers than the 1 core(s) each rank "
             "has here (1 usable, 1 rank(s) on this host)" in line]
     assert len(said) == 1 and said[0].startswith("warning:"), output[-3000:]
+    assert "This DataLoader will create" not in output  # torch's paragraph per loader says it again
