@@ -4,9 +4,10 @@
     hvd-train doctor -hostfile hostfiles/example.txt
 
 Over ssh (the options horovodrun takes), a probe runs with this Python on every host and reports versions, Horovod's
-build, interfaces, what the hostname resolves to, GPUs, mpirun, the clock and free disk; then every host opens a
-TCP connection to every other one on the interface. One table, a fix under each problem; exit 1 when a job would
-fail (FAIL), 0 when it would run (WARN: it would, with something to look at).
+build, interfaces, what the hostname resolves to, GPUs (and whether nvJPEG can use their hardware JPEG decoder),
+mpirun, the clock and free disk; then every host opens a TCP connection to every other one on the interface. One
+table, a fix under each problem; exit 1 when a job would fail (FAIL), 0 when it would run (WARN: it would, with
+something to look at).
 """
 import argparse
 import json
@@ -85,6 +86,59 @@ def read_port(proc, seconds):
     return int(line) if line.isdigit() else None
 
 
+def jpeg_engines(capability):
+    """Whether a GPU of this compute capability has hardware JPEG decoders (nvJPEG's NVJPEG_BACKEND_HARDWARE, which
+    torchvision's decode_jpeg on CUDA tries first and leaves for the CUDA cores where nvjpegCreateEx says
+    NVJPEG_STATUS_ARCH_MISMATCH); None for an architecture newer than this list.
+
+    The list is NVIDIA's (nvJPEG documentation, "Hardware Acceleration": Ampere A100 and A30, Hopper, Ada,
+    Blackwell, Jetson Thor): sm_80 is A100/A30 alone among Ampere (sm_86 and sm_87, A10, A40, RTX 30, Jetson Orin,
+    have none), sm_89 Ada (L4, L40, L40S), sm_90 Hopper (H100, H200, GH200), sm_100 to sm_121 Blackwell (B200,
+    GB200, B300, Jetson Thor, RTX PRO 6000). Volta and Turing (V100, T4) and older have none."""
+    major, minor = capability
+    if major > 12:
+        return None
+    return (major, minor) in ((8, 0), (8, 9)) or major >= 9
+
+
+def nvjpeg_check(gpu_name, capability, driver_capabilities, video_library):
+    """The nvjpeg row, (status, detail, fix), from the GPU's name and compute capability, the container's
+    NVIDIA_DRIVER_CAPABILITIES (None where unset: not started by the NVIDIA Container Toolkit, or no container) and
+    whether the driver's video decode library (libnvcuvid.so.1) loads.
+
+    nvJPEG's hardware backend needs the driver's `video` capability (NVIDIA's answers in CUDALibrarySamples#132 and
+    nvImageCodec#26): without it the backend is refused and decode_jpeg silently decodes on the CUDA cores. For that
+    capability the NVIDIA Container Toolkit mounts the driver's video libraries (libnvcuvid, libnvidia-encode,
+    libnvidia-opticalflow, libvdpau_nvidia); libnvcuvid.so.1 loading is taken as the sign that they are there, which
+    is what counts. The variable only explains why they are not (and may differ from what the toolkit read:
+    docker run --gpus 'all,"capabilities=..."' appends a second one)."""
+    sm = f"sm_{capability[0]}{capability[1]}"
+    engines = jpeg_engines(tuple(capability))
+    fallback = "--data.decode gpu decodes on the CUDA cores"
+    if engines is False:
+        return "ok", f"no hardware decoder: the {gpu_name} ({sm}) has no hardware JPEG engine; {fallback}", ""
+    if engines is None:
+        return "ok", (f"hardware decoder unknown: the {gpu_name} ({sm}) is newer than the GPUs this check knows; the "
+                      f"driver's video libraries are {'present' if video_library else 'missing'}"), ""
+    if video_library:
+        mig = (" if this MIG instance's profile has JPEG engines (nvidia-smi mig -lgip)"
+               if "MIG" in gpu_name.split() else "")
+        return "ok", f"hardware decoder available{mig} ({gpu_name}; driver video libraries present)", ""
+    caps = None if driver_capabilities is None else {c.strip() for c in driver_capabilities.split(",")}
+    if caps is not None and not caps & {"video", "all"}:
+        return ("WARN", f"hardware decoder not available: this container lacks the driver's video capability "
+                f"(NVIDIA_DRIVER_CAPABILITIES={driver_capabilities}); {fallback}",
+                "run the image with --gpus all and NVIDIA_DRIVER_CAPABILITIES including video (docker/README.md)")
+    if caps is not None:
+        return ("WARN", f"hardware decoder not available: NVIDIA_DRIVER_CAPABILITIES={driver_capabilities} names "
+                f"video, but the driver's libnvcuvid.so.1 does not load; {fallback}",
+                "the host's driver lacks its video libraries (Debian/Ubuntu: libnvidia-decode-<driver branch>), or the "
+                "container was not started through the NVIDIA Container Toolkit (docker run --gpus all)")
+    return ("WARN", f"hardware decoder not available: the driver's libnvcuvid.so.1 does not load; {fallback}",
+            "install the driver's video decode library (Debian/Ubuntu: libnvidia-decode-<driver branch>); in a "
+            "container, give it the video driver capability (docker/README.md)")
+
+
 def probe_all(hosts, names):
     def probe(name):
         sent = time.time()
@@ -149,6 +203,9 @@ def check_host(report, name, slots, facts, reference, args):
         report.add(name, "slots", status, f"{slots} slot(s), {gpus} GPU(s)",
                    {"FAIL": f"{name}:{gpus}: one rank per GPU (ranks would share a GPU)",
                     "WARN": f"{name}:{gpus} uses every GPU"}.get(status, ""))
+        if facts.get("gpu_model"):
+            report.add(name, "nvjpeg", *nvjpeg_check(*facts["gpu_model"], facts["driver_capabilities"],
+                                                     facts["video_library"]))
     else:
         cpus = facts.get("cpus") or 0
         over = slots > cpus > 0

@@ -25,6 +25,21 @@ except Exception as e:
     facts["build"] = {"error": f"{type(e).__name__}: {e}"}
 import torch
 facts["gpus"] = torch.cuda.device_count()
+# For the nvjpeg row: the first GPU's model, whether the driver's video decode library loads (what a container's
+# `video` driver capability mounts; nvJPEG's hardware backend needs it), and the capabilities the container asked for.
+facts["gpu_model"] = None
+if facts["gpus"]:
+    try:
+        facts["gpu_model"] = [torch.cuda.get_device_name(0), list(torch.cuda.get_device_capability(0))]
+    except Exception:
+        pass
+import ctypes
+try:
+    ctypes.CDLL("libnvcuvid.so.1")
+    facts["video_library"] = True
+except OSError:
+    facts["video_library"] = False
+facts["driver_capabilities"] = os.environ.get("NVIDIA_DRIVER_CAPABILITIES")
 facts["cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 # The environment's own mpirun first (an MPI setup installed from PyPI), as horovodrun runs it, then PATH's.
 facts["mpirun"] = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")

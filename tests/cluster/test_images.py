@@ -7,6 +7,7 @@ reached, the base image is made from Debian packages by docker/base-image.sh (ro
 hvd-train-base:bookworm for later runs; everything else the tests make (images, containers, a network) is removed,
 also when a test fails.
 """
+import json
 import os
 import re
 import shutil
@@ -293,6 +294,13 @@ def test_an_elastic_job_grows_when_a_container_is_started_and_added_to_the_host_
 def test_the_gpu_image_has_nccl_mpi_and_gloo(gpu_image):
     report = check_build(gpu_image)
     assert all(f"[X] {x}" in report for x in ("PyTorch", "NCCL", "MPI", "Gloo")), report
+
+
+def test_the_gpu_image_asks_for_the_drivers_video_capability(gpu_image):
+    # Without `video` the NVIDIA Container Toolkit mounts no video libraries, and nvJPEG never reaches the hardware
+    # JPEG decoder of an A100/H100/H200 (docker/README.md).
+    env = json.loads(docker("image", "inspect", "--format", "{{json .Config.Env}}", gpu_image).stdout)
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility,video" in env, env
 
 
 def test_the_gpu_image_runs_the_acceptance_scripts_cpu_side_offline(gpu_image, tmp_path):
