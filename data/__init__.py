@@ -39,6 +39,9 @@ class DataInfo:
     # () -> one training sample as a batch of one, as the loader collates it (its structure and shapes): what lazy
     # modules are materialised from. Not a fact: never stored.
     example: Optional[Callable] = field(default=None, repr=False, compare=False)
+    # Facts a factory gets only where it names them as a parameter, never through **kwargs: those a shard index
+    # (a file, and data) holds for a user's data set, so a timm model cannot be made to read a file or grow by them.
+    by_name_only: tuple = ()
 
     def facts(self):
         """The facts a model factory may name as parameters: the known image facts and the extra ones."""
@@ -81,7 +84,8 @@ def datasets_from(train, val, facts, dc, where=""):
     named, recorded = class_names(dc.dataset, val, facts), facts.pop("preprocessing", None)
     facts.pop("classes", None)
     image = [facts.pop(name, None) for name in IMAGE_FACTS]
-    return train, val, DataInfo(*image, len(train), len(val), extra=facts, classes=named,
+    from_file = tuple(train.facts.get("extra") or {}) if is_streamed(train) else ()
+    return train, val, DataInfo(*image, len(train), len(val), extra=facts, classes=named, by_name_only=from_file,
                                 preprocessing=_preprocessing(recorded, image, dc),
                                 example=functools.partial(example_batch, train, val, image))
 

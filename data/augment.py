@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from hvd_train.config.fields import check_policy_figures
+
 KINDS = ("natural", "digits", "photos")
 
 
@@ -151,9 +153,11 @@ def fix_posterize():
 
 
 def check_policy(spec):
-    """Refuse an --aa spec timm cannot build, before any rank starts."""
-    if spec:
-        auto_augment(spec, 32, (0.5, 0.5, 0.5))
+    """Refuse an --aa spec timm cannot build, or whose figures pass their bounds, before any rank starts."""
+    if not spec:
+        return
+    check_policy_figures(spec)  # the config's own check (a recipe is data): again for a caller without a config
+    auto_augment(spec, 32, (0.5, 0.5, 0.5))
 
 
 def _three(mean):

@@ -89,7 +89,7 @@ def shard_sets(train_shards="", val_shards="", shard_index="", image_size=0, aug
     if facts.get("transform") == "samples":  # a user's data set: its own facts, as its factory gave them
         known = {k: facts.get(k) for k in ("in_channels", "num_classes", "image_size") if facts.get(k) is not None}
         named = {"classes": facts["classes"]} if facts.get("classes") else {}
-        return train, val, {**known, **(facts.get("extra") or {}), **named}
+        return train, val, {**(facts.get("extra") or {}), **known, **named}  # the index's own facts win
     size = image_size or facts.get("image_size")
     return train, val, image_facts(facts.get("in_channels"), facts.get("num_classes"), size, val)
 

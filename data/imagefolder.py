@@ -11,7 +11,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from hvd_train.data.errors import UNREADABLE_IMAGE, BadSampleError, DataError
-from hvd_train.data.images import as_mode
+from hvd_train.data.images import as_mode, check_resize, read_image_file
 from hvd_train.data.layouts import contents
 
 log = logging.getLogger("hvd_train")
@@ -36,12 +36,21 @@ def path_of(path):
     return path
 
 
-def read_image(path):
-    """Open an image as RGB; a file that does not decode is named, with the way out."""
+def read_image(path, image_size=None):
+    """Open an image as RGB; a file that does not decode is named, with the way out. Read by the bounded reader
+    (data/images.py: regular files of a bounded size only); with image_size, one whose resize for validation would
+    pass the pixel bound is refused too, from its header."""
+    import io
+
     from PIL import Image
 
+    from hvd_train.data.photos import resized_shape, val_side
+
     try:
-        with open(path, "rb") as f, Image.open(f) as image:
+        with Image.open(io.BytesIO(read_image_file(path))) as image:
+            if image_size:
+                check_resize(image.width, image.height, *resized_shape(image.width, image.height,
+                                                                       val_side(image_size)))
             return as_mode(image, "RGB")
     except UNREADABLE_IMAGE as e:  # a broken file, or one over Pillow's pixel limit
         raise BadSampleError(f"{path}: cannot read this image ({e}); fix or remove the file, or pass "
@@ -54,10 +63,11 @@ def is_image_file(path):
     return not os.path.basename(path).startswith(".") and has_file_allowed_extension(path, IMG_EXTENSIONS)
 
 
-def decodes(path):
-    """Whether the file is an image that decodes completely (a full decode: truncated files fail too)."""
+def decodes(path, image_size=None):
+    """Whether the file is an image that decodes completely (a full decode: truncated files fail too), and that
+    training and validation at image_size can resize within the pixel bound."""
     try:
-        read_image(path)
+        read_image(path, image_size)
         return True
     except BadSampleError:
         return False
@@ -80,7 +90,7 @@ def load(data_dir, image_size, skip_bad_files=False, augment=None):
     def keep(path):
         if not is_image_file(path):
             return False
-        if not skip_bad_files or decodes(path):
+        if not skip_bad_files or decodes(path, image_size):
             return True
         if path not in bad:
             bad.append(path)

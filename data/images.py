@@ -5,8 +5,15 @@ Pillow converts 16-bit grey images (mode I;16, common for masks, medical and sci
 clipping, so every value above 255 turns white. Here they are scaled (value / 257, so 65535 becomes 255), as Pillow
 already does for 16-bit colour. 32-bit integer images whose values fit 16 bits are scaled the same way; other
 32-bit and floating-point images have no known range and are refused by name.
+
+Every image file is read by read_image_file(), which bounds what a file handed over can make the reader do: it
+opens without blocking (a FIFO never hangs), reads regular files only (a link to /dev/zero, a FIFO, a socket are
+refused), refuses a file of more than max_bytes() bytes before reading any (a sparse 20 GB ".png"), and reads at
+most that many. check_resize() bounds what the resize for the model makes of an image (a 20000 x 1 PNG whose
+shorter side is scaled to 256), from its header.
 """
 import os
+import stat
 
 SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 # The most pixels an image may have: its header is read before its pixels, so a small file that would decode to
@@ -15,6 +22,12 @@ SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 MAX_PIXELS_VARIABLE = "HVD_MAX_IMAGE_PIXELS"
 MAX_PIXELS = 8192 * 8192
 ROWS_AT_ONCE = 2**22  # pixels a 16-bit image is scaled by at a time: the wide temporary stays a few MB
+# The most bytes an image file may have: its size is checked on the opened file before any byte is read. 256 MiB,
+# far past any photo or scan (an 8192 x 8192 RGB PNG stored uncompressed is 192 MiB); the variable raises it.
+MAX_BYTES_VARIABLE = "HVD_MAX_IMAGE_BYTES"
+MAX_BYTES = 256 * 2**20
+KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+         (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
 
 
 class UnsupportedImage(ValueError):
@@ -30,6 +43,63 @@ def max_pixels():
         raise UnsupportedImage(f"{MAX_PIXELS_VARIABLE}={value!r}: give a whole number of pixels, e.g. "
                                f"{MAX_PIXELS * 4}")
     return int(value)
+
+
+def max_bytes():
+    value = os.environ.get(MAX_BYTES_VARIABLE, "")
+    if not value:
+        return MAX_BYTES
+    if not value.isdigit() or int(value) < 1:
+        raise UnsupportedImage(f"{MAX_BYTES_VARIABLE}={value!r}: give a whole number of bytes, e.g. {MAX_BYTES * 4}")
+    return int(value)
+
+
+def kind_of(mode):
+    """What a file that is not a regular one is, in words, from its st_mode."""
+    return next((name for test, name in KINDS if test(mode)), "not a regular file")
+
+
+def read_image_file(path):
+    """The bytes of the image file at `path`, read within bounds: anything but a regular file is refused (a link
+    is followed once, by the open, and what it opened is checked), and so is a file of more than max_bytes()
+    bytes, before a byte of it is read; at most its size is read. Raises OSError or UnsupportedImage (a
+    ValueError), both among data/errors.py's UNREADABLE_IMAGE, with the reason in words."""
+    bound = max_bytes()
+    # Refused unopened where it is plainly no file (opening some devices does something); the descriptor's own
+    # fstat below is what decides, as the path may be swapped between the two.
+    facts = os.stat(path)
+    if not stat.S_ISREG(facts.st_mode):
+        raise UnsupportedImage(f"{kind_of(facts.st_mode)}, not a regular file; images are read from files only")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)  # O_NONBLOCK: a FIFO swapped in opens at once, rather than waiting for a writer
+    try:
+        facts = os.fstat(fd)
+        if not stat.S_ISREG(facts.st_mode):
+            raise UnsupportedImage(f"{kind_of(facts.st_mode)}, not a regular file; images are read from files only")
+        if facts.st_size > bound:
+            raise UnsupportedImage(f"{facts.st_size:,} bytes, more than the {bound:,} an image file may have here; "
+                                   f"set {MAX_BYTES_VARIABLE} to raise the bound")
+        parts, left = [], facts.st_size
+        while left > 0:  # one read, unless the file system hands the file over in parts
+            part = os.read(fd, left)
+            if not part:
+                break
+            parts.append(part)
+            left -= len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def check_resize(width, height, new_width, new_height):
+    """Refuses (UnsupportedImage) resizing a width x height image to new_width x new_height pixels where those are
+    more than max_pixels(): an image inside the bound can be resized past it (a 20000 x 1 image whose shorter side
+    becomes 256 is 5,120,000 x 256), so the resize's own shape is checked, from the header, before decoding."""
+    bound = max_pixels()
+    if new_width * new_height > bound:
+        raise UnsupportedImage(f"{width} x {height} pixels, which the resize for the model makes {new_width:,} x "
+                               f"{new_height:,}, more than the {bound:,} pixels an image may have here; set "
+                               f"{MAX_PIXELS_VARIABLE} to raise the bound")
 
 
 def as_mode(image, mode):

@@ -23,7 +23,7 @@ import math
 import torch
 
 from hvd_train.data.errors import UNREADABLE_IMAGE, BadSampleError
-from hvd_train.data.images import as_mode, max_pixels, UnsupportedImage
+from hvd_train.data.images import as_mode, check_resize, max_pixels, read_image_file, UnsupportedImage
 
 SCALE, RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)  # RandomResizedCrop's defaults, as timm's and torchvision's
 JPEG_MAGIC = b"\xff\xd8\xff"
@@ -142,10 +142,12 @@ class PhotoTransform:
     def __call__(self, source):
         if isinstance(source, str):
             try:
-                with open(source, "rb") as f:
-                    data = f.read()
+                data = read_image_file(source)  # a regular file of a bounded size, or refused unread
             except OSError as e:
                 raise BadSampleError(f"{source}: cannot read this image ({e})") from None
+            except UNREADABLE_IMAGE as e:  # not a regular file, or one over the byte bound
+                raise BadSampleError(f"{source}: cannot read this image ({e}); fix or remove the file, or pass "
+                                     f"--data.skip_bad_files to leave out every file that does not decode") from None
             try:
                 return self.from_bytes(data)
             except UNREADABLE_IMAGE as e:  # a broken file, or one over the pixel bound
@@ -156,6 +158,10 @@ class PhotoTransform:
     def from_bytes(self, data):
         """The transform of an encoded image; one that does not decode raises one of UNREADABLE_IMAGE."""
         width, height, jpeg = header(data)
+        # What the resize makes of the image, from the header: the crop at size x size, or for validation the
+        # whole image with its shorter side at val_side() (a 20000 x 1 image would be 5,120,000 x 256).
+        check_resize(width, height, *((self.size, self.size) if self.train else
+                                      resized_shape(width, height, val_side(self.size))))
         if self.train:
             box, flip = train_crop(width, height)
         else:

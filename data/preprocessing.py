@@ -13,7 +13,7 @@ from typing import Optional
 
 from torch.utils.data import Subset
 
-from hvd_train.data.images import as_mode
+from hvd_train.data.images import as_mode, check_resize, read_image_file
 from hvd_train.data.arrays import ImageTensorDataset
 
 RESIZES = ("stretch", "center_crop")
@@ -65,21 +65,39 @@ class Preprocessing:
             steps = [T.Resize(int(round(size * 256 / 224))), T.CenterCrop(size), T.ToTensor()]
         else:
             steps = [T.ToTensor(), T.Resize((size, size), antialias=True)]
-        return T.Compose(steps + [T.Normalize(self.mean, self.std)])
+        return T.Compose([self.check_size] + steps + [T.Normalize(self.mean, self.std)])
+
+    def resized(self, width, height):
+        """(width, height) that transform() resizes a width x height image to: image_size square (stretch), or
+        the shorter side at image_size * 256 / 224 (center_crop, before its centre is cut out)."""
+        if self.resize == "center_crop":
+            from hvd_train.data.photos import resized_shape, val_side
+
+            return resized_shape(width, height, val_side(self.image_size))
+        return self.image_size, self.image_size
+
+    def check_size(self, image):
+        """A PIL image, unchanged, where its resize stays within the pixel bound; else UnsupportedImage (a very
+        thin image resized by its shorter side would be billions of pixels). Reads only its header."""
+        check_resize(image.width, image.height, *self.resized(image.width, image.height))
+        return image
 
     def load(self, path):
         """The image file at `path`, ready for the model (without the batch axis). A photo (center_crop, 3 channels)
         goes through validation's own code (data/photos.py), so predict sees what validation saw."""
+        import io
+
         import torch
         from PIL import Image
 
+        data = read_image_file(path)  # a regular file of a bounded size, or refused unread (data/images.py)
         if self.resize == "center_crop" and self.channels == 3:
             from hvd_train.data.photos import PhotoTransform
 
-            with open(path, "rb") as f:
-                pixels = PhotoTransform(self.image_size, train=False).from_bytes(f.read()).float() / 255.0
+            pixels = PhotoTransform(self.image_size, train=False).from_bytes(data).float() / 255.0
             return (pixels - torch.tensor(self.mean).view(-1, 1, 1)) / torch.tensor(self.std).view(-1, 1, 1)
-        with Image.open(path) as image:
+        with Image.open(io.BytesIO(data)) as image:
+            self.check_size(image)  # from the header, before a pixel is decoded
             return self.transform()(as_mode(image, "L" if self.channels == 1 else "RGB"))
 
 

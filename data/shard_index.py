@@ -15,14 +15,13 @@ import urllib.parse
 from dataclasses import dataclass
 
 from hvd_train.data.errors import DataError
+from hvd_train.gate import RecordError, index_facts
 from hvd_train.uris import redact_all
 
 INDEX = "index.json"
 INDEX_MAX_BYTES = 64 * 2**20  # read from a file or a server: bounded before it is parsed
 MAX_SHARDS = 10**6  # names a shard pattern may expand to (an index of a million shards is near its size bound)
 MAX_SHARD_SAMPLES = 10**8  # samples one shard may claim (a tar of 100 million images is far past any writer's)
-FACT_BOUNDS = {"num_classes": 10**6, "in_channels": 64, "image_size": 8192,  # they size the model and the images
-               "max_side": 8192}
 FORMAT = "hvd-train shards"
 
 
@@ -169,11 +168,10 @@ def read_index(location):
     if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("shards"), dict) \
             or not isinstance(index.get("facts"), dict):
         raise DataError(f"shard index {location}: not an hvd-train shard index (written by `hvd-train shard`)")
-    for fact, most in FACT_BOUNDS.items():  # they size the model and every decoded image
-        value = index["facts"].get(fact)
-        if value is not None and (type(value) is not int or not 1 <= value <= most):
-            raise DataError(f"shard index {location}: facts.{fact} {value!r} is not a whole number from 1 to {most}; "
-                            f"rewrite the index with `hvd-train shard`")
+    try:  # the gate (hvd_train/gate.py): every fact typed and bounded, the data set's own facts plain and harmless
+        index_facts(index["facts"], f"shard index {redact_all(location)}")
+    except RecordError as e:
+        raise DataError(str(e)) from None
     wrong = [n for n, c in index["shards"].items() if type(c) is not int or not 0 <= c <= MAX_SHARD_SAMPLES]
     if wrong:
         raise DataError(f"shard index {location}: shard {wrong[0]}'s sample count {index['shards'][wrong[0]]!r} is "

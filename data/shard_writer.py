@@ -17,7 +17,7 @@ from torch.utils.data import Subset
 
 from hvd_train.data.arrays import ImageTensorDataset
 from hvd_train.data.errors import UNREADABLE_IMAGE, DataError
-from hvd_train.data.images import as_mode
+from hvd_train.data.images import as_mode, read_image_file
 from hvd_train.data.shard_index import FORMAT, INDEX
 from hvd_train.run.directory import atomic_write, temporary_beside
 
@@ -35,8 +35,10 @@ def raw_samples(dataset, max_side=0):
     elif hasattr(base, "samples") and hasattr(base, "classes"):  # an image folder: (path, class) pairs
         for i in indices:
             path, label = base.samples[i]
-            with open(path, "rb") as f:
-                data = f.read()
+            try:
+                data = read_image_file(path)  # a regular file of a bounded size, or refused unread
+            except UNREADABLE_IMAGE as e:
+                raise DataError(f"{path}: cannot read this image ({e}); fix or remove the file") from None
             extension = os.path.splitext(path)[1][1:].lower()
             if max_side:
                 extension, data = bounded(data, extension, max_side, path)

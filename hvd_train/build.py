@@ -35,7 +35,15 @@ def build_task(cfg, info=None):
     name = cfg.model.task or models.model_task(cfg.model.name)
     targets = {k: v for k, v in (("smoothing", cfg.aug.smoothing), ("bce_loss", cfg.aug.bce_loss)) if v}
     return tasks.build_task(resolve(name, tasks.find_task, "--task", tasks.CHOICES), name, cfg.model.task_args,
-                            {**(info.facts() if info else {}), **targets})
+                            {**(facts_for(info, name) if info else {}), **targets}, info.by_name_only if info else ())
+
+
+def facts_for(info, name):
+    """The data's facts the factory `name` gets. A shard index's own facts (a file's, info.by_name_only) reach only
+    a user's own factory (an import path), and it only by the names of its parameters: a factory that ships would
+    take them as its width or hidden size."""
+    facts = info.facts()
+    return facts if is_import_path(name) else {k: v for k, v in facts.items() if k not in info.by_name_only}
 
 
 def build_model_for(cfg, info, device):
@@ -44,7 +52,8 @@ def build_model_for(cfg, info, device):
     name = cfg.model.name
     depth = drop_path_args(cfg)
     try:
-        model = call(model_factory(cfg), info.facts(), {**depth, **cfg.model.args}, "--model-args", name)
+        model = call(model_factory(cfg), facts_for(info, name), {**depth, **cfg.model.args}, "--model-args", name,
+                     info.by_name_only)
     except TypeError as e:  # torchvision's or timm's constructor refusing an argument it does not know
         if depth and any(k in str(e) for k in depth):
             raise ConfigError(f"model.drop_path (--drop-path): {name} has no stochastic depth to set; leave "

@@ -73,20 +73,21 @@ def takes(factory, parameter):
         return False
 
 
-def call(factory, facts, args, flag, name):
+def call(factory, facts, args, flag, name, by_name_only=()):
     """factory(**the facts it names, **args). An argument in `args` it does not take, or a parameter without a
-    default that neither gives, is refused with the setting named."""
+    default that neither gives, is refused with the setting named. by_name_only: facts read from a file, which a
+    factory gets only where it names them (never through its **kwargs)."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # a builtin or extension callable without a signature: give it everything
-        return factory(**facts, **args)
+        return factory(**{k: v for k, v in facts.items() if k not in by_name_only}, **args)
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     named = [n for n, p in params.items() if p.kind in by_name]
     unknown = [k for k in args if k not in named and not open_ended]
     if unknown:
         raise ConfigError(f"{flag}: {name} takes no argument {unknown[0]!r}; it takes: {', '.join(named) or 'none'}")
-    kwargs = {k: v for k, v in facts.items() if open_ended or k in named}
+    kwargs = {k: v for k, v in facts.items() if k in named or (open_ended and k not in by_name_only)}
     kwargs.update(args)
     missing = [n for n in named if params[n].default is inspect.Parameter.empty and n not in kwargs]
     if missing:

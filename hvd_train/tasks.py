@@ -249,7 +249,7 @@ def builtin_task(name):
     return RunTask(TASKS[name](), name)
 
 
-def build_task(factory, name, args, facts=None):
+def build_task(factory, name, args, facts=None, by_name_only=()):
     """The task a class (or a factory) makes with the data's facts it names (num_classes, ...) and the --task-args,
-    checked."""
-    return RunTask(call(factory, facts or {}, args, "--task-args", name), name)
+    checked (by_name_only: facts from a file, given only where named)."""
+    return RunTask(call(factory, facts or {}, args, "--task-args", name, by_name_only), name)

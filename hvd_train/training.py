@@ -28,7 +28,7 @@ from hvd_train.run.saves import StepSaves
 from hvd_train.run.state import (AfterEpoch, RunState, checkpoint_fits, outputs_for, read_checkpoint,
                                  restore_rank_buffers)
 from hvd_train.schedule import LRSchedule, batching
-from hvd_train.run.tracking import open_trackers
+from hvd_train.run.tracking import local_mlflow, open_trackers
 from hvd_train.weights import freeze_configured
 
 log = logging.getLogger("hvd_train")
@@ -122,8 +122,8 @@ def claim(cfg, rt, info, trainer):
     # Before the claim: a file that does not fit leaves nothing behind (a resume then replaces these weights).
     load_initial_weights(cfg, trainer.model)
     run_dir = RunDir(cfg.run.output_dir)
-    resume_from = hvd_utils.decide_on_root(lambda: run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite),
-                                           "output_dir")
+    resume_from = hvd_utils.decide_on_root(
+        lambda: run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite, local_mlflow(cfg)), "output_dir")
     with run_dir.lock:
         state, rank_buffers = RunState(), {}
         if resume_from:  # refused on every rank before anything is written

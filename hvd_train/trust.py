@@ -34,6 +34,8 @@ DESTINATIONS = (("logging", "mlflow_uri"),)
 # Arguments of the factories that ship which make them read a file or fetch one (timm, torchvision).
 FILE_ARGUMENTS = ("checkpoint_path", "pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "weights",
                   "cache_dir", "pretrained_strict")
+# Mappings of arguments whose values reach factories as they are: a location among them is judged as a shard's is.
+NESTED = (("model", "args"), ("model", "facts"), ("model", "task_args"), ("data", "args"))
 LOCAL_SCHEMES = ("", "file")  # what webdataset opens as a local file; every other scheme has a handler that fetches
 
 
@@ -85,6 +87,23 @@ def judged(values):
             if isinstance(given, dict) and key in given:
                 found.append((f"model.{part}.{key}", given[key], "an argument that makes the model read or fetch a "
                               "file"))
+    dataset = values.get("data", {}).get("dataset")
+    if values.get("data", {}).get("args") and isinstance(dataset, str) and not is_import_path(dataset):
+        # A factory that ships takes its settings from the data.* fields; arguments would replace them (the shards'
+        # locations among them) past the checks above.
+        found.append(("data.args", values["data"]["args"], f"arguments for {dataset}, a data set that ships, which "
+                      f"would replace its own settings"))
+    for section, name in NESTED:
+        given = values.get(section, {}).get(name)
+        for key, value in (given.items() if isinstance(given, dict) else ()):
+            if not isinstance(value, str) or not any(mark in value.lower() for mark in ("://", "ipe:", "{")):
+                continue  # a number, a word: what urlsplit would take for a scheme ("gelu:x") is no location
+            try:
+                where = reaches(value)
+            except DataError:
+                where = "a command"  # braces past the bounds: refused as what they could hide
+            if where:
+                found.append((f"{section}.{name}.{key}", redact_all(value), f"{where} given as an argument"))
     return found
 
 

@@ -16,10 +16,30 @@ import torch
 from torch import nn
 
 from hvd_train.errors import ConfigError
+from hvd_train.gate import RecordError, plain
 from hvd_train.run.checkpoint import unbounded_members
 
 log = logging.getLogger("hvd_train")
 WRAPPERS = ("module.", "_orig_mod.")  # DistributedDataParallel's and torch.compile's prefixes
+SAFETENSORS_HEADER_MAX = 100_000_000  # safetensors' own bound on its JSON header, in bytes
+
+
+def safetensors_problem(path):
+    """Why the file at `path` cannot be a whole safetensors file, from its first bytes (None: it may be one): it
+    starts with the length of its JSON header (8 bytes, little-endian), which must fit in the file, then the
+    header, a JSON object. Read before safetensors reads it, so a damaged or forged file is refused in one line."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9:
+        return f"{size} bytes, fewer than a safetensors file starts with"
+    length = int.from_bytes(head[:8], "little")
+    if length > SAFETENSORS_HEADER_MAX or 8 + length > size:
+        return (f"its first 8 bytes say its header takes {length:,} bytes, and the file has {size - 8:,} after "
+                f"them")
+    if head[8:9] != b"{":
+        return "its header is not a JSON object"
+    return None
 
 
 def read_state_dict(path):
@@ -39,6 +59,9 @@ def read_state_dict(path):
         unbounded = unbounded_members(path)
         if unbounded:
             raise ConfigError(f"--init-from {path}: {unbounded}; it is refused unread")
+    elif (problem := safetensors_problem(path)) is not None:
+        raise ConfigError(f"--init-from {path}: not a whole safetensors file: {problem}; it is refused unread; "
+                          f"{expected}")
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
@@ -52,6 +75,10 @@ def read_state_dict(path):
     except Exception as e:  # a damaged archive, a safetensors header that does not parse
         raise ConfigError(f"--init-from {path}: cannot be read as weights ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else 'no detail'}); {expected}") from None
+    try:  # the gate (hvd_train/gate.py): plain values within bounds, shared references counted each time
+        plain(loaded, f"--init-from {path}")
+    except RecordError as e:
+        raise ConfigError(f"{e}; {expected}") from None
     if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict) and "epoch" in loaded:
         loaded = loaded["model"]  # an hvd-train checkpoint
     elif isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):

@@ -2,6 +2,7 @@
 choices and bounds."""
 import dataclasses
 import math
+import re
 from dataclasses import field
 
 from hvd_train.errors import ConfigError
@@ -21,7 +22,32 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 PROFILE_RANKS = ("0", "all")
 MAX_WORKERS = 64  # DataLoader processes per rank
 MAX_IMAGE_SIDE = 8192  # pixels; a side of 8192 is already 200 MB per float image
+MAX_SAMPLE_VALUES = 2**28  # channels x side x side of one sample: 3 x 8192 x 8192 fits, 64 x 8192 x 8192 does not
+MAX_BATCH_VALUES = 2**32  # a rank's batch of samples: 16 GiB of float32
 RECIPE_MAX_BYTES = 2**20  # a recipe is a page of settings; a larger file is not one
+
+
+# What an --aa policy's figures may be (timm's own policies use n 2-4, width 3-4, depth up to 3, magnitudes up to
+# 10-30): a recipe is data, and `rand-m9-n400000000` would have timm draw 400 million ops for every image.
+POLICY_BOUNDS = {"n": 16, "w": 16, "d": 16, "m": 100, "mstd": 100, "mmax": 100, "a": 100, "p": 1}
+POLICY_MAX_CHARS = 200
+
+
+def check_policy_figures(spec):
+    """Refuse an --aa policy whose figures pass POLICY_BOUNDS (ConfigError); what timm cannot build is refused when
+    the policy is built (data/augment.py check_policy)."""
+    if len(spec) > POLICY_MAX_CHARS:
+        raise ConfigError(f"aug.aa (--aa)={spec[:60]!r}...: {len(spec)} characters; a policy such as "
+                          f"rand-m9-mstd0.5-inc1 takes a few")
+    for part in spec.split("-")[1:]:
+        key, figure = re.match(r"([a-z]*)(.*)", part).groups()
+        try:
+            value = float(figure) if figure else None
+        except ValueError:
+            continue  # timm's own parser judges what is not a figure
+        if key in POLICY_BOUNDS and value is not None and not abs(value) <= POLICY_BOUNDS[key]:
+            raise ConfigError(f"aug.aa (--aa)={spec!r}: {key}{figure} is past {POLICY_BOUNDS[key]}, the most this "
+                              f"policy's {key} may be (timm's own policies: rand-m9-n2-mstd0.5, augmix-m5-w3)")
 
 
 def _require(ok, name, value, why):

@@ -107,12 +107,12 @@ class LoggingConfig(_Section):
 
 @dataclass
 class RunConfig(_Section):
-    output_dir: str = opt("runs/latest", "where rank 0 writes summary, metrics, checkpoints and the resolved config",
-                          flags=("output-dir",))
+    output_dir: str = opt("runs/latest", "where rank 0 writes summary, metrics, checkpoints and the resolved config "
+                          "(the command line only: a recipe does not choose it)", flags=("output-dir",))
     seed: int = opt(42, "base random seed; rank r seeds with seed + r, parameters come from rank 0", flags=("seed",))
     evaluate: bool = opt(False, "only evaluate the checkpoint given by --resume, then stop", flags=("evaluate",))
-    overwrite: bool = opt(False, "start afresh in an output directory that holds a run, replacing its files",
-                          flags=("overwrite",))
+    overwrite: bool = opt(False, "start afresh in an output directory that holds a run, replacing its files (the "
+                          "command line only)", flags=("overwrite",))
     device: str = opt("auto", "auto (the GPU local_rank when CUDA sees one, else the CPU), cuda or cpu",
                       flags=("device",), choices=DEVICES)
     name: str = opt("", "name of this configuration in the summary (default: the recipe's file name)")

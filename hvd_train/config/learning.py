@@ -4,7 +4,7 @@ regularisation."""
 from dataclasses import dataclass
 
 from hvd_train.config.fields import (AMP_MODES, COMPILE_MODES, DECODES, ERASE_MODES, LR_SCHEDULES, MAX_IMAGE_SIDE,
-                                     MAX_WORKERS, OPTIMIZERS, _Section, _choice, _require, opt)
+                                     MAX_WORKERS, OPTIMIZERS, _Section, _choice, _require, check_policy_figures, opt)
 
 
 @dataclass
@@ -217,6 +217,7 @@ class AugConfig(_Section):
         _require(1 <= self.recount <= 100, "aug.recount", self.recount, "must be 1 to 100 boxes")
         _require(self.mixup_off_epoch >= 0, "aug.mixup_off_epoch (--mixup-off-epoch)", self.mixup_off_epoch,
                  "must be an epoch, or 0 for never")
+        check_policy_figures(self.aa)
         _require(not (self.no_aug and (self.aa or self.reprob or self.color_jitter)), "aug.no_aug (--no-aug)", True,
                  "contradicts --aa, --reprob and --color-jitter, which augment: leave out one or the other")
 

@@ -1,33 +1,9 @@
 """YAML recipes (--config): read as data, bounded, with every key and type checked."""
-import dataclasses
 import os
 
 from hvd_train.errors import ConfigError
 from hvd_train.config.fields import RECIPE_MAX_BYTES
-from hvd_train.config.schema import Config
-
-
-def _check_yaml_value(where, f, value):
-    """YAML gives typed values: accept the field's type (ints for floats, lists for tuples), refuse the rest."""
-    ok = {
-        bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        str: isinstance(value, str),
-        tuple: isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool)
-                                                        for v in value),
-        dict: isinstance(value, dict) and all(isinstance(k, str) and k.isidentifier() for k in value),
-    }[f.type]
-    if not ok:
-        kind = {tuple: "tuple of whole numbers", dict: "mapping of names to values"}.get(f.type, f.type.__name__)
-        raise ConfigError(f"{where}: expected {kind}, "
-                          f"got {type(value).__name__} {value!r}")
-    if f.type is float:
-        try:
-            return float(value)
-        except OverflowError:
-            raise ConfigError(f"{where}: a whole number of {len(str(abs(value)))} digits is too large for a float")
-    return value
+from hvd_train.gate import settings
 
 
 def _read_text(path):
@@ -115,9 +91,9 @@ def _parse_yaml(text, path):
 
 
 def load_recipe(path, known_only=False):
-    """Read a YAML recipe into {section: {field: value}}, refusing unknown sections, unknown keys and wrong types
-    (known_only: leaving out unknown sections and keys instead, for a run's config.json written by another
-    version)."""
+    """Read a YAML recipe into {section: {field: value}} through the gate (hvd_train/gate.py settings): unknown
+    sections, unknown keys, wrong types and the settings a file never chooses refused (known_only: a run's
+    config.json, perhaps of another version: those left out instead)."""
     import yaml
 
     text = _read_text(path)
@@ -137,23 +113,4 @@ def load_recipe(path, known_only=False):
     if raw is None or raw == {}:
         raise ConfigError(f"--config {path}: holds no settings; write sections as in configs/digits_cnn.yaml, "
                           f"or leave out --config")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(raw).__name__}")
-    sections = {s.name: s.type for s in dataclasses.fields(Config)}
-    recipe = {}
-    for section, values in raw.items():
-        if section not in sections and known_only:
-            continue
-        if section not in sections:
-            raise ConfigError(f"--config {path}: unknown section {section!r}; sections are: {', '.join(sections)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"--config {path}: section {section!r} must be a mapping of field: value")
-        known = {f.name: f for f in dataclasses.fields(sections[section])}
-        for key, value in values.items():
-            if key not in known and known_only:
-                continue
-            if key not in known:
-                raise ConfigError(f"--config {path}: unknown key {section}.{key}; {section} has: {', '.join(known)}")
-            recipe.setdefault(section, {})[key] = _check_yaml_value(f"--config {path}: {section}.{key}",
-                                                                    known[key], value)
-    return recipe
+    return settings(raw, f"--config {path}", recorded=known_only)

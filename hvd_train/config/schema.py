@@ -4,8 +4,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from hvd_train.uris import redact, redact_all
-from hvd_train.config.fields import SHARDABLE, _require
+from hvd_train.uris import redact_values
+from hvd_train.config.fields import MAX_BATCH_VALUES, MAX_SAMPLE_VALUES, SHARDABLE, _require
 from hvd_train.config.learning import AugConfig, DataConfig, ModelConfig, OptimConfig
 from hvd_train.config.job import (BenchmarkConfig, CheckpointConfig, HorovodConfig, LoggingConfig, ProfileConfig,
                                   RunConfig)
@@ -50,20 +50,32 @@ class Config:
                  "benchmark.enabled (--benchmark)", True, "times training steps on its own: leave out --evaluate "
                  "and --elastic")
 
+        self._check_sizes()
         _require(self.model.compile or self.model.compile_mode == ModelConfig.compile_mode,
                  "model.compile_mode (--compile-mode)", self.model.compile_mode,
                  "has no effect without --compile: add --compile")
         _require(not (self.profile.enabled and self.run.evaluate), "profile.enabled (--profile)", True,
                  "records training steps, and --evaluate trains none: leave out one of them")
 
+    def _check_sizes(self):
+        """The sizes a run allocates, bounded together as well as one by one (a recipe is data): a sample of
+        channels x side x side values, and a rank's batch of them (side: --image-size, or 224 where the data set's
+        own; channels: the synthetic data's, else 3)."""
+        synthetic = self.data.dataset == "synthetic" or self.benchmark.enabled
+        channels, side = self.data.synthetic_channels if synthetic else 3, self.data.image_size or 224
+        sample = channels * side * side
+        _require(sample <= MAX_SAMPLE_VALUES, "data.image_size (--image-size)", self.data.image_size,
+                 f"with {channels} channels makes samples of {sample:,} values, more than {MAX_SAMPLE_VALUES:,}; "
+                 f"choose a smaller size or fewer channels")
+        batch = sample * self.optim.batch_size
+        _require(batch <= MAX_BATCH_VALUES, "optim.batch_size (--batch-size)", self.optim.batch_size,
+                 f"makes a batch of {batch:,} values per rank ({channels} x {side} x {side} a sample), more than "
+                 f"{MAX_BATCH_VALUES:,} (16 GiB of float32); lower the batch size or the image size")
+
     def to_dict(self):
         """The settings as they are stored and shown (config.json, checkpoints, summaries, trackers): URIs without
         their credentials (hvd_train/uris.py), which stay in this process alone."""
-        d = dataclasses.asdict(self)
-        d["logging"]["mlflow_uri"] = redact(d["logging"]["mlflow_uri"])
-        for name in ("train_shards", "val_shards", "shard_index"):
-            d["data"][name] = redact_all(d["data"][name])
-        return d
+        return redact_values(dataclasses.asdict(self))  # every string: shard commands and plug-in arguments too
 
     def to_json(self):
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -15,6 +15,7 @@ from hvd_train.schedule import batching
 from hvd_train.engine import Hooks, fit
 from hvd_train.run.reporting import finish, log_setup
 from hvd_train.run.state import AfterEpoch, RunState, outputs_for, resume
+from hvd_train.run.tracking import local_mlflow
 from hvd_train.training import close_profiler, write_config_everywhere
 from hvd_utils import elastic
 
@@ -127,7 +128,8 @@ def train(cfg, rt, data, trainer, loaders):
             # not fit leaves nothing behind. A resumed run then replaces these weights with its checkpoint's.
             load_initial_weights(cfg, trainer.model)
             resume_from = hvd_utils.decide_on_root(
-                lambda: outputs.run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite), "output_dir")
+                lambda: outputs.run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite, local_mlflow(cfg)),
+                "output_dir")
             if resume_from:
                 resume(resume_from, trainer, state, outputs.fits)
                 if state.partial:  # Horovod's ElasticSampler deals whole epochs: the one it was taken within

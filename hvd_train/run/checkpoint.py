@@ -6,12 +6,12 @@ Files in <dir>: epoch_NNNN.pt (the newest keep_last), step_NNNNNNNN.pt (the newe
 epoch, named by the run's optimizer steps), last.pt and best.pt. Loading uses torch.load(weights_only=True): a
 checkpoint is data, and a file that would run code on loading is refused.
 """
-import glob
 import os
 import pickle
 import random
 import re
 import shutil
+import stat
 import threading
 import warnings
 import zipfile
@@ -19,8 +19,10 @@ import zipfile
 import torch
 
 from hvd_train.errors import CheckpointError
+from hvd_train.gate import RecordError, plain
 from hvd_train.guards import interrupt
-from hvd_train.run.directory import BEST_CHECKPOINT, LAST_CHECKPOINT, atomic_write, reported_write, temporary_beside
+from hvd_train.run.directory import (BEST_CHECKPOINT, LAST_CHECKPOINT, atomic_write, no_link_below, reported_write,
+                                     temporary_beside)
 
 VERSION = 1
 # The setting behind each field a checkpoint must share with the run that loads it (run_state.checkpoint_fits).
@@ -68,6 +70,9 @@ def _link_or_copy(src, dst):
 EPOCH_FILE = re.compile(r"epoch_(\d+)\.pt")
 BEST_FILE = re.compile(r"best_epoch_(\d+)\.pt")  # --checkpoint-hist: one of the N best epochs
 STEP_FILE = re.compile(r"step_(\d+)\.pt")  # a checkpoint within an epoch, by the run's optimizer steps
+# The temporary file the atomic writer (directory.temporary_beside: tempfile.mkstemp, 8 characters of its alphabet)
+# makes beside a checkpoint; a writer killed mid-write leaves one. Nothing else in checkpoints/ is the app's to remove.
+LEFT_BEHIND = re.compile(r"(last|best|epoch_\d{4,}|best_epoch_\d{4,}|step_\d{8,})\.pt\.tmp\.[a-z0-9_]{8}")
 KEPT_TAIL = "; the checkpoints written before are intact, and --resume auto continues from the newest"
 
 
@@ -143,10 +148,19 @@ class Checkpointer:
         self.directory, self.keep_last, self.enabled, self.background = directory, keep_last, enabled, background
         self.writer, self.error = None, None
         if enabled:
+            no_link_below(os.path.dirname(os.path.abspath(directory)), directory)  # its folder is the run's own
             os.makedirs(directory, exist_ok=True)
-            # Left by a writer that was killed mid-write; the files they were replacing are intact.
-            for stale in glob.glob(os.path.join(directory, "*.tmp.*")):
-                os.remove(stale)
+            # Left by a writer that was killed mid-write (the files they were replacing are intact): only the
+            # temporary files the app names and makes, only files (a link is no file of the app's), listed and
+            # removed in the folder opened without following a link.
+            folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                for name in os.listdir(folder):
+                    if LEFT_BEHIND.fullmatch(name) and \
+                            stat.S_ISREG(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+                        os.remove(name, dir_fd=folder)
+            finally:
+                os.close(folder)
 
     def save(self, payload, epoch, is_best, best_epochs=(), then=None):
         """Write epoch `epoch`; returns the path of last.pt (None on ranks that do not write). A failed write (a
@@ -218,7 +232,9 @@ class Checkpointer:
         """payload as `name` and last.pt, atomically; then the older files written within epochs go."""
         path = os.path.join(self.directory, name)
         with reported_write(path, KEPT_TAIL):
-            os.makedirs(self.directory, exist_ok=True)  # an elastic run's writer may change, and start late
+            # An elastic run's writer may change, and start late; never into a link planted meanwhile.
+            no_link_below(os.path.dirname(os.path.abspath(self.directory)), self.directory)
+            os.makedirs(self.directory, exist_ok=True)
             atomic_save(payload, path)
             _link_or_copy(path, os.path.join(self.directory, LAST_CHECKPOINT))
         for old in numbered_files(self.directory, STEP_FILE):
@@ -278,6 +294,10 @@ def load(path):
     except Exception as e:  # a zip archive cut short or damaged
         raise CheckpointError(f"{path}: damaged or incomplete checkpoint ({type(e).__name__}); resume from an "
                               f"earlier one in the same directory") from None
+    try:  # the gate (hvd_train/gate.py): its plain values bounded as a tree, shared references counted each time
+        plain(ckpt, path)
+    except RecordError as e:
+        raise CheckpointError(f"{e}; it is refused") from None
     if not isinstance(ckpt, dict) or ckpt.get("version") != VERSION:
         raise CheckpointError(f"{path}: not an hvd-train checkpoint (version {VERSION} expected)")
     return ckpt

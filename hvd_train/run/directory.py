@@ -8,21 +8,36 @@
     <output dir>/tensorboard/       TensorBoard events
     <output dir>/checkpoints/       epoch_NNNN.pt, last.pt, best.pt
     <output dir>/profile/           --profile: rank<r>.trace.json (torch.profiler), horovod_timeline.json
+    <output dir>/export/            hvd-train export: model<suffix> and its model card
+    <output dir>/mlflow.db          --mlflow without --mlflow-uri: MLflow's store (SQLite) ...
+    <output dir>/mlflow-artifacts/  ... and the files of its runs
+    <output dir>/wandb/             --wandb: W&B's offline runs
     <output dir>/.hvd-train.lock    while a job runs in it (hvd_train/run/lock.py)
 
 Only rank 0 writes, and every write goes through atomic_write: a reader, or a run killed halfway, sees the old
 file or the new one, never half of one.
+
+The directory owns its files: nothing a run writes lies outside it, and no symbolic link below it is followed (the
+directory itself may be one, the user's choice). A link planted at a name the run writes into (a folder, a store, the
+lock) is refused when the directory is claimed and again by each writer; a file the run replaces whole (config.json,
+curves.png, ...) is renamed over a link planted there, which replaces the link. A tracking store found in the
+directory is state from elsewhere, read as data: MLflow's must keep every run's files in mlflow-artifacts/.
 """
 import contextlib
 import errno
 import json
 import logging
 import os
+import re
 import shutil
+import sqlite3
+import stat
 import tempfile
+from urllib.parse import quote, unquote, urlsplit
 
 from hvd_train.errors import CheckpointError
-from hvd_train.run.lock import RunLock
+from hvd_train.run.lock import NAME as LOCK_NAME, RunLock
+from hvd_train.uris import redact
 
 log = logging.getLogger("hvd_train")
 # The checkpoints that stand for a run: the newest (what --resume auto continues) and the best by the task's metric
@@ -31,10 +46,22 @@ LAST_CHECKPOINT, BEST_CHECKPOINT = "last.pt", "best.pt"
 
 
 class RunDir:
+    # Every name in the directory is spelled here (tracking.py and tools/export.py take theirs from here).
+    CHECKPOINTS, TENSORBOARD, PROFILE, EXPORT = "checkpoints", "tensorboard", "profile", "export"
+    MLFLOW_DB, MLFLOW_ARTIFACTS, WANDB = "mlflow.db", "mlflow-artifacts", "wandb"  # (W&B names its folder wandb/)
+    # SQLite's files beside a database: a journal left there is rolled into the database when it is opened.
+    MLFLOW_DB_SIDECARS = (MLFLOW_DB + "-journal", MLFLOW_DB + "-wal", MLFLOW_DB + "-shm")
+    TRACKING_STORES = (MLFLOW_DB, *MLFLOW_DB_SIDECARS, MLFLOW_ARTIFACTS, WANDB)
+    # Written whole into a temporary file and renamed over the name: a link planted there is replaced, never followed.
+    REPLACED_WHOLE = ("config.json", "metrics.jsonl", "summary.json", "evaluation.json", "curves.png")
+    # Written in place, into or through the name: a link there is refused (inside these folders too: their files'
+    # names are known in advance).
+    WRITTEN_IN_PLACE = (CHECKPOINTS, TENSORBOARD, PROFILE, EXPORT, *TRACKING_STORES, LOCK_NAME)
+    WRITTEN_INSIDE = (MLFLOW_ARTIFACTS, PROFILE)
     # What a run leaves behind; a fresh run refuses to start over these unless told to.
-    RUN_FILES = (f"checkpoints/{LAST_CHECKPOINT}", "summary.json", "metrics.jsonl")
-    REPLACED_ON_OVERWRITE = ("summary.json", "metrics.jsonl", "config.json", "curves.png", "tensorboard",
-                             "checkpoints", "profile")
+    RUN_FILES = (f"{CHECKPOINTS}/{LAST_CHECKPOINT}", "summary.json", "metrics.jsonl")
+    REPLACED_ON_OVERWRITE = ("summary.json", "metrics.jsonl", "config.json", "curves.png", TENSORBOARD, CHECKPOINTS,
+                             PROFILE, *TRACKING_STORES)
 
     def __init__(self, root):
         self.root = root
@@ -44,9 +71,13 @@ class RunDir:
         self.summary = self.path("summary.json")
         self.evaluation = self.path("evaluation.json")
         self.curves = self.path("curves.png")
-        self.tensorboard = self.path("tensorboard")
-        self.checkpoints = self.path("checkpoints")
-        self.profile = self.path("profile")
+        self.tensorboard = self.path(self.TENSORBOARD)
+        self.checkpoints = self.path(self.CHECKPOINTS)
+        self.profile = self.path(self.PROFILE)
+        self.export = self.path(self.EXPORT)
+        self.mlflow_db = self.path(self.MLFLOW_DB)
+        self.mlflow_artifacts = self.path(self.MLFLOW_ARTIFACTS)
+        self.wandb = self.path(self.WANDB)
         self.last_checkpoint = self.checkpoint(LAST_CHECKPOINT)
         self.best_checkpoint = self.checkpoint(BEST_CHECKPOINT)
 
@@ -77,23 +108,25 @@ class RunDir:
             raise CheckpointError(f"--resume {resume}: no such file")
         return resume
 
-    def claim(self, resume, overwrite):
+    def claim(self, resume, overwrite, local_mlflow=False):
         """Take the directory's lock (a job running in it refuses this one), then decide how this run uses it
         without losing an earlier run; returns the checkpoint to resume from, or None for a fresh start. A
         directory holding a run is continued (--resume), replaced (--overwrite), or refused with the choices named;
-        a refused run leaves the lock and a directory it made behind it as they were."""
+        a refused run leaves the lock and a directory it made behind it as they were. local_mlflow: the run logs to
+        the MLflow store in the directory (--mlflow without --mlflow-uri), which is checked first."""
         made = missing_parents(self.root)  # the lock makes them: a refused run removes them again
         self.lock.acquire()
         try:
-            return self._decide(resume, overwrite)
+            return self._decide(resume, overwrite, local_mlflow)
         except CheckpointError:
             self.lock.release()
             remove_empty(made)
             raise
 
-    def _decide(self, resume, overwrite):
+    def _decide(self, resume, overwrite, local_mlflow):
         found = [f for f in self.RUN_FILES if os.path.exists(self.path(f))]
         if resume:
+            self.refuse_planted(bool(found), local_mlflow)
             path = self.resolve(resume)
             if path is None and found:
                 raise CheckpointError(f"--resume auto: {self.root} holds a run ({', '.join(found)}) but no "
@@ -110,7 +143,83 @@ class RunDir:
                     shutil.rmtree(path)
                 elif os.path.lexists(path):  # a file, or a link (removed itself: never what it points to)
                     os.remove(path)
+        self.refuse_planted(False, local_mlflow)
         return None
+
+    def refuse_planted(self, holds_run=False, local_mlflow=True):
+        """Refuse, in one CheckpointError naming it, what the directory holds that would make the run write outside
+        it or send its files away: a symbolic link at a name the run writes in place (or anywhere inside
+        mlflow-artifacts/ and profile/, whose files' names are known in advance), and a local MLflow store whose
+        artifact locations lie outside mlflow-artifacts/ (where the run logs to it: local_mlflow). holds_run: the
+        directory holds a run, which --overwrite replaces (named as the fix)."""
+        for name in self.WRITTEN_IN_PLACE:
+            no_link_below(self.root, self.path(name))
+        for folder in self.WRITTEN_INSIDE:
+            link = first_link_within(self.path(folder))
+            if link is not None:
+                no_link_below(self.root, link)
+        if local_mlflow:
+            self.check_mlflow_store(holds_run)
+
+    def check_mlflow_store(self, holds_run=False):
+        """A local MLflow store found here is state from elsewhere, read as data (SQLite, read-only, never through a
+        link) before MLflow opens it: every experiment's artifact location and every run's artifact URI must lie in
+        mlflow-artifacts/, since MLflow writes a run's files, and uploads them with the user's credentials, wherever
+        its store says. MLflow's own experiment 0 ('Default', made in every new store, its location in the working
+        directory) is left be while no run is in it: a run logs into its own experiment (one that names Default is
+        checked when the tracker opens it: holds_artifacts)."""
+        fix = ("--overwrite removes it with the run (or remove it and mlflow-artifacts/, the run's MLflow history, "
+               "yourself), or choose another --output-dir" if holds_run else
+               "remove it, or choose another --output-dir")
+        db = self.mlflow_db
+        if not os.path.lexists(db):
+            for sidecar in self.MLFLOW_DB_SIDECARS:
+                if os.path.lexists(self.path(sidecar)):  # SQLite would roll it into the store MLflow creates
+                    raise CheckpointError(f"{one_line(self.path(sidecar))}: SQLite's file of an MLflow store that "
+                                          f"is not there, state from elsewhere; {fix}")
+            return
+        no_link_below(self.root, db)
+        if not stat.S_ISREG(os.lstat(db).st_mode):
+            raise CheckpointError(f"{one_line(db)}: not a file, so not an MLflow store this app made; {fix}")
+        try:
+            # mode=ro: nothing is written, a hot journal beside it is not rolled back (the read fails instead).
+            store = sqlite3.connect(f"file:{quote(os.path.abspath(db))}?mode=ro", uri=True)
+            try:
+                tables = {row[0] for row in store.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                runs = list(store.execute("SELECT run_uuid, artifact_uri, experiment_id FROM runs")) \
+                    if "runs" in tables else []
+                experiments = list(store.execute("SELECT experiment_id, name, artifact_location FROM experiments")) \
+                    if "experiments" in tables else []
+            finally:
+                store.close()
+        except sqlite3.Error as e:
+            raise CheckpointError(f"{one_line(db)}: cannot be read as an MLflow store ({one_line(str(e))}); "
+                                  f"{fix}") from None
+        used = {str(experiment) for _, _, experiment in runs}
+        where = [(f"its experiment {name!r}", location) for experiment, name, location in experiments
+                 if not (str(experiment) == "0" and "0" not in used)]
+        where += [(f"its run {run}", uri) for run, uri, _ in runs]
+        for what, location in where:
+            if not self.holds_artifacts(location):
+                raise CheckpointError(f"{one_line(db)}: {one_line(what)} keeps its files at "
+                                      f"{one_line(redact(str(location)))}, outside {self.mlflow_artifacts}: a "
+                                      f"tracking store from elsewhere, which would have MLflow write or send the "
+                                      f"run's files there; {fix}")
+
+    def holds_artifacts(self, location):
+        """Whether the MLflow artifact location (a file:// URI or a plain path; no other scheme) lies in
+        mlflow-artifacts/, resolved (a `..`, or a link on the way, that leads out of it does not)."""
+        if not isinstance(location, str) or not location:
+            return False
+        parts = urlsplit(location)
+        if parts.scheme == "file" and parts.netloc in ("", "localhost"):
+            path = unquote(parts.path)
+        elif parts.scheme == "":
+            path = location
+        else:
+            return False
+        base = os.path.realpath(self.mlflow_artifacts)
+        return os.path.commonpath([os.path.realpath(path), base]) == base
 
     def claim_for_benchmark(self, overwrite):
         """A benchmark writes summary.json: it may replace an earlier benchmark's, never a training run's."""
@@ -169,6 +278,46 @@ def check_writable(root, tidy=True):
         remove_empty(made)
 
 
+def no_link_below(root, path):
+    """Refuse (one CheckpointError naming it) a symbolic link at any component of `path` below the output directory
+    `root`, from root down to path itself: what the run writes lies in root, never where a link planted there points.
+    root itself may be a link (the user's choice on the command line); components that do not exist yet are fine."""
+    root, path = os.path.abspath(root), os.path.abspath(path)
+    below = os.path.relpath(path, root)
+    if below == os.curdir:
+        return
+    if below == os.pardir or below.startswith(os.pardir + os.sep):
+        raise ValueError(f"{path} is not in {root}")
+    here = root
+    for part in below.split(os.sep):
+        here = os.path.join(here, part)
+        try:
+            mode = os.lstat(here).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if stat.S_ISLNK(mode):
+            raise CheckpointError(
+                f"{one_line(here)}: a symbolic link (to {one_line(os.readlink(here))}) inside the output directory "
+                f"{root}: a run writes only into its own directory, never through a link planted there; remove the "
+                f"link (--overwrite removes one at a name it replaces, never what it points to), or choose another "
+                f"--output-dir")
+
+
+def first_link_within(folder):
+    """The first symbolic link anywhere inside `folder` (none is followed), or None."""
+    for top, folders, files in os.walk(folder):  # a link to a folder is listed, never entered
+        for name in sorted(folders + files):
+            if os.path.islink(os.path.join(top, name)):
+                return os.path.join(top, name)
+    return None
+
+
+def one_line(text):
+    """`text` (a name or location found in a directory, which anyone may have chosen) with its control characters
+    escaped, so that a message holding it stays one line."""
+    return re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], text)
+
+
 def missing_parents(path):
     """The directories makedirs(path) would create, deepest first."""
     missing = []
@@ -209,9 +358,12 @@ def temporary_beside(path):
     return fd, tmp
 
 
-def atomic_write(path, write, binary=False, sync=False):
-    """write(file) into a temporary file beside `path`, then rename it over `path`. sync: flush to disk first
-    (checkpoints, which must survive a crash of the machine too)."""
+def atomic_write(path, write, binary=False, sync=False, root=None):
+    """write(file) into a temporary file beside `path`, then rename it over `path` (a link planted at `path` is
+    replaced, never written through). sync: flush to disk first (checkpoints, which must survive a crash of the
+    machine too). root: the output directory `path` lies in; a link on the way from it to the file is refused."""
+    if root is not None:
+        no_link_below(root, os.path.dirname(os.path.abspath(path)))
     fd, tmp = temporary_beside(path)
     try:
         with os.fdopen(fd, "wb" if binary else "w") as f:
@@ -225,16 +377,18 @@ def atomic_write(path, write, binary=False, sync=False):
             os.remove(tmp)
 
 
-def write_json(path, obj):
+def write_json(path, obj, root=None):
     def dump(f):
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
-    atomic_write(path, dump)
+    atomic_write(path, dump, root=root)
 
 
-def append_line(path, line):
+def append_line(path, line, root=None):
     """Append `line` to the file `path`, created where missing; a link planted at `path` is refused (OSError), never
-    written through."""
+    written through, and so is one on the way from the output directory `root` (CheckpointError)."""
+    if root is not None:
+        no_link_below(root, os.path.dirname(os.path.abspath(path)))
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     with os.fdopen(fd, "a") as f:
         f.write(line)

@@ -16,8 +16,10 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from hvd_train import models
+from hvd_train.data import IMAGE_FACTS
 from hvd_train.data.preprocessing import CLASS_NAMES, Preprocessing, of_builtin
 from hvd_train.errors import CheckpointError, ConfigError
+from hvd_train.gate import RecordError, plain
 from hvd_train.plugins import call, resolve
 from hvd_train.trust import refuse_code_from
 
@@ -43,6 +45,10 @@ class ModelCard:
 
     @classmethod
     def from_dict(cls, d, where):
+        try:  # the gate (hvd_train/gate.py): a card is plain data of bounded size, read from a file
+            plain(d, where, depth=16)
+        except RecordError as e:
+            raise CheckpointError(f"{e}; it is not a model card hvd-train wrote") from None
         try:
             card = cls(**{k: d[k] for k in ("model", "model_args", "facts", "task", "classes", "preprocessing")},
                        weights=d.get("weights", "model"))
@@ -72,9 +78,12 @@ class ModelCard:
         the file plus MODEL_BYTES_SLACK, so a card cannot make it allocate more than its file holds. trusted
         (--trust-code) lifts the size bound and lets a factory that cannot build on the meta device build."""
         factory = resolve(self.model, models.find_model, "the model", models.CHOICES)
+        # A card is a file: its facts beyond the image's reach a factory only where it names them (never its
+        # **kwargs), unless the user trusts the file.
+        named_only = () if trusted else tuple(k for k in self.facts if k not in IMAGE_FACTS)
         try:
             with torch.device("meta"):
-                planned = call(factory, self.facts, self.model_args, "the model's arguments", self.model)
+                planned = call(factory, self.facts, self.model_args, "the model's arguments", self.model, named_only)
         except ConfigError:
             raise
         except Exception as e:
@@ -86,7 +95,7 @@ class ModelCard:
             planned = None
         if planned is not None:
             self._check_planned(planned, shapes, file_bytes, trusted)
-        model = call(factory, self.facts, self.model_args, "the model's arguments", self.model)
+        model = call(factory, self.facts, self.model_args, "the model's arguments", self.model, named_only)
         return model.eval()
 
     def _check_planned(self, planned, shapes, file_bytes, trusted):

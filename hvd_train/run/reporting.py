@@ -13,7 +13,7 @@ import time
 import psutil
 
 import hvd_utils
-from hvd_train.run.directory import append_line, atomic_write, reported_write, write_json
+from hvd_train.run.directory import append_line, atomic_write, no_link_below, reported_write, write_json
 from hvd_train.schedule import batching
 
 log = logging.getLogger("hvd_train")
@@ -30,10 +30,11 @@ class Reporter:
         self.purge_step, self.trackers = None, []
         if enabled and resumed_history:
             with reported_write(self.jsonl):
-                atomic_write(self.jsonl, lambda f: f.writelines(_line(r) for r in resumed_history))
+                atomic_write(self.jsonl, lambda f: f.writelines(_line(r) for r in resumed_history),
+                             root=self.dir.root)
             self.purge_step = resumed_history[-1]["epoch"] + 1
-        elif enabled and os.path.exists(self.jsonl):
-            os.remove(self.jsonl)  # a fresh run starts a fresh record
+        elif enabled and os.path.lexists(self.jsonl):
+            os.remove(self.jsonl)  # a fresh run starts a fresh record (a link planted there goes, not its target)
         self.set_enabled(enabled)
 
     def set_enabled(self, enabled):
@@ -44,7 +45,8 @@ class Reporter:
                 from torch.utils.tensorboard import SummaryWriter
 
                 # A suffix no one can guess: TensorBoard names its event files by time, host and pid, which a
-                # run directory prepared by someone else could hold links for.
+                # run directory prepared by someone else could hold links for; and tensorboard/ itself is no link.
+                no_link_below(self.dir.root, self.dir.tensorboard)
                 self.writer = SummaryWriter(self.dir.tensorboard, purge_step=self.purge_step,
                                             filename_suffix=f".{secrets.token_hex(8)}")
                 self.purge_step = None  # once: a writer started later (elastic) must not hide newer points
@@ -63,7 +65,7 @@ class Reporter:
         for tracker in self.trackers:
             tracker.epoch(record, committed)
         with reported_write(self.jsonl):
-            append_line(self.jsonl, _line(record))
+            append_line(self.jsonl, _line(record), root=self.dir.root)
         if self.writer is not None:
             for key, value in record.items():
                 if key != "epoch" and isinstance(value, (int, float)) and math.isfinite(value):
@@ -96,7 +98,7 @@ class Reporter:
                            title="validation accuracy" if percent else "validation metrics")
             axes[0][1].legend()
         fig.tight_layout()
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100), binary=True)
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100), binary=True, root=self.dir.root)
         plt.close(fig)
         return path
 
@@ -249,7 +251,7 @@ def finish(cfg, rt, trainer, state, reporter):
         with reported_write(run_dir.curves):
             summary["curves_png"] = reporter.plot(state.history) if cfg.logging.plot else None
         with reported_write(path):
-            write_json(path, summary)
+            write_json(path, summary, root=run_dir.root)
         reporter.end_tracking(summary, [path, run_dir.metrics, run_dir.config, summary["curves_png"]])
         log.info("done: best %s %.4g (epoch %s), %.0f train samples/s, %.1fs wall; summary in %s",
                  task.best_metric, state.best_metric, state.best_epoch, summary["train_samples_per_sec"],

@@ -19,7 +19,10 @@ import shutil
 import sys
 import time
 from importlib import metadata
+from pathlib import Path
 
+from hvd_train.errors import CheckpointError
+from hvd_train.run.directory import RunDir, no_link_below
 from hvd_train.uris import redact, redact_argument, split_credentials
 
 log = logging.getLogger("hvd_train")
@@ -35,7 +38,12 @@ FINAL = ("best_", "final_", "train_samples_per_sec", "process_wall_seconds")  # 
 def local_uri(output_dir):
     """The MLflow store used without --mlflow-uri: a SQLite file in the output directory (`mlflow ui
     --backend-store-uri` opens it)."""
-    return "sqlite:///" + os.path.abspath(os.path.join(output_dir, "mlflow.db"))
+    return "sqlite:///" + os.path.abspath(RunDir(output_dir).mlflow_db)
+
+
+def local_mlflow(cfg):
+    """Whether the run logs to the MLflow store in its output directory (--mlflow without --mlflow-uri)."""
+    return bool(cfg.logging.mlflow and not cfg.logging.mlflow_uri)
 
 
 def flatten(config):
@@ -118,6 +126,15 @@ def with_credentials_in_env(uri):
     return clean
 
 
+def keeps_files_in(local, what, location):
+    """An experiment or run of the output directory's store (`local`, a RunDir; None: a store of the user's
+    --mlflow-uri) must keep its files in mlflow-artifacts/: MLflow writes them, and sends them with the user's
+    credentials, wherever its artifact location says."""
+    if local is not None and not local.holds_artifacts(location):
+        raise CheckpointError(f"{local.mlflow_db}: {what} keeps its files at {redact(str(location))}, outside "
+                              f"{local.mlflow_artifacts}; nothing is logged there")
+
+
 class MlflowTracker(Tracker):
     name = "mlflow"
 
@@ -133,20 +150,27 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
+        # The local store is the output directory's: checked again as the claim checked it (a link or a store planted
+        # since), before MLflow opens it; the experiment and the run it gives must keep their files in there.
+        local = None if cfg.logging.mlflow_uri else RunDir(cfg.run.output_dir)
+        if local is not None:
+            local.refuse_planted()
         self.client = MlflowClient(tracking_uri=self.uri)
         tags = {**run_facts(rt), "hvd_train.output_dir": os.path.abspath(cfg.run.output_dir)}
         if self.run_id:  # a resumed run continues its MLflow run
+            run = self.client.get_run(self.run_id)
+            keeps_files_in(local, f"its run {self.run_id}", run.info.artifact_uri)
             self.client.update_run(self.run_id, status="RUNNING")
-            logged = self.client.get_run(self.run_id).data.params
+            logged = run.data.params
             tags["resumed_world_size"] = tags.pop("world_size")
         else:
             experiment = self.client.get_experiment_by_name(cfg.logging.mlflow_experiment)
             if experiment is None:
                 # Artifacts of the local store go beside it (MLflow's default is ./mlruns in the working directory).
-                location = None if cfg.logging.mlflow_uri else \
-                    "file://" + os.path.abspath(os.path.join(cfg.run.output_dir, "mlflow-artifacts"))
+                location = None if local is None else Path(os.path.abspath(local.mlflow_artifacts)).as_uri()
                 experiment_id = self.client.create_experiment(cfg.logging.mlflow_experiment, location)
             else:
+                keeps_files_in(local, f"its experiment {experiment.name!r}", experiment.artifact_location)
                 experiment_id = experiment.experiment_id
             self.run_id = self.client.create_run(experiment_id, run_name=run_name(cfg)).info.run_id
             logged = {}
@@ -185,11 +209,14 @@ class WandbTracker(Tracker):
 
     def __init__(self, cfg, rt, run_id=None):
         super().__init__(run_id)
-        self.where = f"W&B ({os.path.join(cfg.run.output_dir, 'wandb')})"
+        self.run_dir = RunDir(cfg.run.output_dir)
+        self.where = f"W&B ({self.run_dir.wandb})"
         self._call("the run's start", lambda: self.start(cfg, rt))
 
     def start(self, cfg, rt):
         import wandb
+
+        no_link_below(self.run_dir.root, self.run_dir.wandb)  # W&B writes into <dir>/wandb: the directory's own
 
         run_id = self.run_id or secrets.token_hex(4)  # W&B's ids: short, lowercase
         # W&B records the process's command line in the run's metadata: it sees it with its URIs redacted.

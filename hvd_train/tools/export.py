@@ -27,10 +27,11 @@ from hvd_train.data.shard_index import ShardSet
 from hvd_train.data.shards import first_batch
 from hvd_train.config import config_from_dict
 from hvd_train.errors import CheckpointError, ConfigError, say
+from hvd_train.gate import settings
 from hvd_train.feed import Feed, image_figures
 from hvd_train.tools.inference import (FORMATS, SIDECAR, ModelInputs, export_runner, find_checkpoint, load_trained,
                                        outputs)
-from hvd_train.run.directory import temporary_beside, write_json
+from hvd_train.run.directory import RunDir, no_link_below, temporary_beside, write_json
 from hvd_train.trust import TRUST_FLAG, refuse_code_from
 from hvd_train.uris import redact_all
 
@@ -65,8 +66,8 @@ def parse_args(argv):
 
 def default_out(checkpoint_path, fmt):
     folder = os.path.dirname(os.path.abspath(checkpoint_path))
-    run_dir = os.path.dirname(folder) if os.path.basename(folder) == "checkpoints" else folder
-    return os.path.join(run_dir, "export", "model" + FORMATS[fmt])
+    run_dir = os.path.dirname(folder) if os.path.basename(folder) == RunDir.CHECKPOINTS else folder
+    return os.path.join(RunDir(run_dir).export, "model" + FORMATS[fmt])
 
 
 @dataclass
@@ -80,9 +81,10 @@ def validation_batch(ckpt, model, count, data_dir, where, trusted):
     fed them: the samples collated as the loader collates them (tuples, dicts, nested), then given to the run's task,
     whose call of the model is captured. The data set and task are rebuilt from the checkpoint's stored config, which
     names code only with --trust-code."""
-    stored = ckpt.get("config") or {}
-    if not isinstance(stored, dict) or not all(isinstance(v, dict) for v in stored.values()):
-        raise CheckpointError(f"{where}: its stored config is not one hvd-train wrote")
+    try:  # through the gate, as a --resume reads config.json: typed, and what would run code refused
+        stored = settings(ckpt.get("config") or {}, f"{where} (its stored config)", recorded=True)
+    except ConfigError as e:
+        raise CheckpointError(f"{e}; it is not one hvd-train wrote") from None
     refuse_code_from(stored, f"{where} (its stored config)", trusted)
     try:
         cfg = config_from_dict(stored)
@@ -347,6 +349,8 @@ def export(args):
     if os.path.exists(out) and not args.overwrite:
         raise CheckpointError(f"--out {out}: exists; pass --overwrite to replace it, or another --out")
     batch = validation_batch(ckpt, model, args.samples, args.data_dir, path, args.trust_code)
+    if not args.out:  # <run dir>/export/: the run directory's own folder, never a link planted there (--out: yours)
+        no_link_below(os.path.dirname(os.path.dirname(out)), os.path.dirname(out))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fd, tmp = temporary_beside(out)
     os.close(fd)  # the writers below take a path

@@ -12,9 +12,12 @@ from hvd_train.run import checkpoint
 from hvd_train.run.directory import BEST_CHECKPOINT, LAST_CHECKPOINT
 from hvd_train.errors import CheckpointError
 from hvd_train.run.model_card import ModelCard, card_of_checkpoint
+from hvd_train.trust import TRUST_FLAG
+from hvd_train.weights import SAFETENSORS_HEADER_MAX, safetensors_problem
 
 SIDECAR = ".json"  # model.onnx -> model.onnx.json: the card and the parity check, beside every export
 SIDECAR_MAX_BYTES = 16 * 2**20  # a card with a class list of a million names fits in far less
+SIDECAR_MAX_DEPTH = 64  # levels its values may nest (hvd-train writes 4: the card's preprocessing, the inputs' shapes)
 # Suffix of each format's file (hvd-train export writes these; predict checks a file is what its .json says).
 FORMATS = {"safetensors": ".safetensors", "torchscript": ".torchscript.pt", "onnx": ".onnx"}
 # What an ONNX model may allocate by default (onnx_memory_bound): per byte of its file, per byte of the batch's
@@ -80,19 +83,38 @@ def outputs(result):
 
 
 def read_sidecar(path):
-    """The export's .json, read as data: a bounded size, one JSON object."""
+    """The export's .json, read as data: a bounded size and nesting (SIDECAR_MAX_DEPTH), one JSON object."""
     where = path + SIDECAR
     if os.path.getsize(where) > SIDECAR_MAX_BYTES:
         raise CheckpointError(f"{where}: {os.path.getsize(where)} bytes, larger than any export's .json "
                               f"({SIDECAR_MAX_BYTES} at most); it is not one hvd-train export wrote")
+    deep = False
     try:
         with open(where) as f:
             meta = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{where}: not JSON ({e}); export the model again with hvd-train export") from None
+    except RecursionError:  # json nests by recursion: a few kilobytes of brackets exhaust it
+        deep = True
+    if deep or nests_past(meta, SIDECAR_MAX_DEPTH):
+        raise CheckpointError(f"{where}: its values nest more than {SIDECAR_MAX_DEPTH} levels deep; an export's "
+                              f".json nests a few, so it is not one hvd-train export wrote")
     if not isinstance(meta, dict):
         raise CheckpointError(f"{where}: not an export's .json (a {type(meta).__name__}, not an object)")
     return meta
+
+
+def nests_past(value, most):
+    """Whether the lists and objects of `value` (parsed JSON) nest more than `most` levels; walked without
+    recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            if level > most:
+                return True
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def file_format(path):
@@ -101,7 +123,9 @@ def file_format(path):
         head = f.read(16)
     if zipfile.is_zipfile(path):
         return "torchscript"
-    if len(head) >= 9 and int.from_bytes(head[:8], "little") < os.path.getsize(path) and head[8:9] == b"{":
+    # safetensors: the header's length, then the header, a JSON object (whether that length fits the file is the
+    # reader's check, safetensors_problem, which says so)
+    if len(head) >= 9 and int.from_bytes(head[:8], "little") <= SAFETENSORS_HEADER_MAX and head[8:9] == b"{":
         return "safetensors"
     if head[:1] == b"\x08":  # an ONNX ModelProto starts with its ir_version field (1, varint)
         return "onnx"
@@ -130,15 +154,34 @@ def load_runner(path, trusted=False, max_memory=None):
 
 def export_runner(path, fmt, card, trusted=False, max_memory=None):
     """A function batch -> list of output tensors for the export at `path` in format `fmt` of the model `card`
-    describes. trusted: --trust-code; max_memory: as load_runner's."""
+    describes. trusted: --trust-code, which a TorchScript file needs (it is a program); max_memory: as
+    load_runner's."""
     if fmt == "safetensors":
         from safetensors.torch import load_file
 
-        weights = load_file(path)
+        problem = safetensors_problem(path)
+        if problem:
+            raise CheckpointError(f"{path}: not a whole safetensors file: {problem}; export the model again with "
+                                  f"hvd-train export")
+        try:
+            weights = load_file(path)
+        except Exception as e:  # SafetensorError: a header that does not parse, tensors past the end of the file
+            detail = str(e).splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{path}: cannot be read as safetensors ({detail}); export the model again with "
+                                  f"hvd-train export") from None
         model = card.build({k: v.shape for k, v in weights.items()}, os.path.getsize(path), trusted)
-        model.load_state_dict(weights)
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as e:
+            raise CheckpointError(f"{path}: its weights do not fit the model its .json describes ({card.model}): "
+                                  f"{str(e).splitlines()[0]}") from None
         return _eager(model)
     if fmt == "torchscript":
+        if not trusted:  # torch.jit.load runs the file's code, which may do what Python's torch may (open files)
+            raise CheckpointError(f"{path}: a TorchScript export is a program in TorchScript's language, which "
+                                  f"torch.jit.load runs (it can read and write your files), so it is not loaded "
+                                  f"without {TRUST_FLAG}: pass {TRUST_FLAG} if you trust where it came from, or "
+                                  f"export the model as onnx or safetensors, which are data")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # TorchScript's deprecation, not the user's concern
             model = torch.jit.load(path, map_location="cpu").eval()

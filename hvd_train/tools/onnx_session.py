@@ -4,7 +4,9 @@ An ONNX file is data, but its graph says what to allocate: a 3 KB file whose gra
 elements would take 6 GB before its output could be checked. Here every allocation onnxruntime makes comes from one
 arena capped at a given number of bytes (an allocation past it fails the run, with the cap named), constant folding
 at load time is off (it would allocate outside that arena), and the session lives in a child process that imports
-numpy and onnxruntime only, so a model that crashes onnxruntime takes nothing else with it.
+numpy, onnx and onnxruntime only, so a model that crashes onnxruntime takes nothing else with it. The arena counts a
+string tensor's slots, not its characters, so before the session is made the child reads the graph with onnx and
+refuses one that makes string tensors anywhere (string_tensors).
 
 The parent sends each batch (an array for each of the graph's inputs, in its order) and reads the outputs through
 the child's stdin and stdout: a JSON line, then the raw bytes of each array. `python -m
@@ -54,6 +56,82 @@ def one_line(error):
     return text.split("Status Message: ")[-1][:400]
 
 
+STRING = 8  # onnx.TensorProto.STRING
+# Operators that make string tensors (or maps keyed by strings) from others: the ONNX string operators, and
+# onnxruntime's and the ai.onnx.ml domain's (all of which an image model's export lacks).
+STRING_OPERATORS = {"StringNormalizer", "StringConcat", "StringSplit", "RegexFullMatch", "LabelEncoder",
+                    "CategoryMapper", "DictVectorizer", "ZipMap", "Tokenizer", "StringToHashBucket",
+                    "TfIdfVectorizer", "Imputer", "OneHotEncoder", "FeatureVectorizer"}
+STRING_DOMAINS = ("ai.onnx.ml", "com.microsoft.extensions", "ai.onnx.contrib")
+TYPE_ATTRIBUTES = ("to", "dtype", "output_dtype")  # an integer attribute naming a tensor type (Cast's `to`, ...)
+
+
+def holds_string(type_proto):
+    """Whether an ONNX TypeProto is, or holds, a string: a tensor, a sequence, a map (its keys too), an optional."""
+    stack = [type_proto]
+    while stack:
+        t = stack.pop()
+        kind = t.WhichOneof("value")
+        if kind in ("tensor_type", "sparse_tensor_type") and getattr(t, kind).elem_type == STRING:
+            return True
+        if kind == "map_type" and t.map_type.key_type == STRING:
+            return True
+        stack += [t.map_type.value_type] if kind == "map_type" else \
+            [getattr(t, kind).elem_type] if kind in ("sequence_type", "optional_type") else []
+    return False
+
+
+def string_tensors(path):
+    """Where the ONNX graph at `path` makes a string tensor (None: nowhere). onnxruntime's arena, capped, counts a
+    string tensor's slots and not the bytes of its strings, so a small file tiling one long string takes gigabytes
+    past the cap. Looked for in the graph and every subgraph (If, Loop, Scan bodies) and local function: string
+    initializers and constants (tensor and sparse tensor attributes, Constant's value_string(s)), casts to STRING,
+    the operators that make strings, and every value whose type is a string, after onnx's shape inference.
+    hvd-train's exports make none."""
+    import onnx
+    from onnx import shape_inference
+
+    model = onnx.load(path, load_external_data=False)  # the graph only: external data is read by onnxruntime
+    try:
+        model = shape_inference.infer_shapes(model)
+    except Exception:  # a graph onnx cannot infer: onnxruntime will say what is wrong, and the checks below hold
+        pass
+    graphs = [("the graph", model.graph)]
+    nodes = [(f"function {f.name}", node) for f in model.functions for node in f.node]
+    while graphs or nodes:
+        if graphs:
+            where, graph = graphs.pop()
+            for tensor in graph.initializer:
+                if tensor.data_type == STRING:
+                    return f"initializer {tensor.name!r} of {where} is a string tensor"
+            for sparse in graph.sparse_initializer:
+                if sparse.values.data_type == STRING:
+                    return f"initializer {sparse.values.name!r} of {where} is a string tensor"
+            for value in [*graph.input, *graph.output, *graph.value_info]:
+                if holds_string(value.type):
+                    return f"value {value.name!r} of {where} is a string"
+            nodes += [(where, node) for node in graph.node]
+            continue
+        where, node = nodes.pop()
+        named = f"{node.op_type} node {node.name!r} of {where}"
+        if node.op_type in STRING_OPERATORS or node.domain in STRING_DOMAINS:
+            return f"{named} makes strings"
+        for attr in node.attribute:
+            tensors = [attr.t] if attr.HasField("t") else []
+            tensors += [*attr.tensors, *([attr.sparse_tensor.values] if attr.HasField("sparse_tensor") else []),
+                        *(s.values for s in attr.sparse_tensors)]
+            types = [*([attr.tp] if attr.HasField("tp") else []), *attr.type_protos]
+            if any(t.data_type == STRING for t in tensors) or any(holds_string(t) for t in types):
+                return f"{named} holds a string tensor in its attribute {attr.name!r}"
+            if node.op_type == "Constant" and attr.name in ("value_string", "value_strings"):
+                return f"{named} makes a string tensor ({attr.name})"
+            if attr.name in TYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT and attr.i == STRING:
+                return f"{named} makes a string tensor ({attr.name}=STRING)"
+            subgraphs = [*([attr.g] if attr.HasField("g") else []), *attr.graphs]
+            graphs += [(f"{named} ({attr.name})", g) for g in subgraphs]
+    return None
+
+
 def open_session(path, cap):
     import onnxruntime as ort
 
@@ -69,6 +147,17 @@ def open_session(path, cap):
 
 def child(path, cap):
     out, inp = sys.stdout.buffer, sys.stdin.buffer
+    try:
+        strings = string_tensors(path)
+    except Exception as e:  # not a protobuf onnx reads (onnxruntime reads the same format)
+        send(out, {"error": f"cannot be read as an ONNX model ({one_line(e)})"})
+        return 0
+    if strings:
+        send(out, {"error": f"its graph makes string tensors ({strings}), whose bytes the memory cap on an ONNX "
+                            f"model does not bound (onnxruntime counts a string's slot, not its characters); "
+                            f"hvd-train's exports make none, so it is refused: export the model again with "
+                            f"hvd-train export"})
+        return 0
     try:
         session = open_session(path, cap)
     except Exception as e:  # a graph onnxruntime refuses: external data outside the folder, an unknown operator

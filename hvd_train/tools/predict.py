@@ -8,18 +8,26 @@ size, normalisation), so a prediction here is what validation would have made of
 """
 import argparse
 import json
+import math
 import os
+import stat
 import sys
 
 import torch
 
 from hvd_train.data.errors import UNREADABLE_IMAGE
 from hvd_train.data.imagefolder import is_image_file
+from hvd_train.data.images import kind_of
 from hvd_train.errors import CheckpointError, ConfigError, say
-from hvd_train.tools.inference import load_runner
+from hvd_train.tools.inference import ONNX_BYTES_PER_INPUT_BYTE, load_runner
 from hvd_train.trust import TRUST_FLAG
 
-BATCH = 64
+BATCH = 64  # images run at once, at most
+# What a batch may take without --max-memory-mb: its inputs and the model's work on them, estimated as for an ONNX
+# model's cap (hvd_train/tools/inference.py: 64 bytes per byte of input). The card's image_size sizes each input
+# (channels x image_size^2 floats): a card saying 3000 would make one 8 x 8 image take gigabytes.
+MEMORY = 1024 * 2**20
+MiB = 2**20
 
 
 class InputError(Exception):
@@ -36,11 +44,16 @@ def parse_args(argv):
     p.add_argument("--top-k", type=int, default=5, help="classes shown per image (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.add_argument("--max-memory-mb", type=int, default=None, metavar="MB",
-                   help="memory an ONNX model may take (default: 4 times its file plus 64 times a batch's input, at "
-                   "least 256 MB): an ONNX graph says what to allocate, and is data")
+                   help=f"memory a batch of images may take, its inputs and the model's work on them (estimated "
+                   f"as {ONNX_BYTES_PER_INPUT_BYTE} times the inputs; default: {MEMORY // MiB} MB), where the "
+                   f"model card's image_size sizes each input; and memory an ONNX model may take (default: 4 times "
+                   f"its file plus {ONNX_BYTES_PER_INPUT_BYTE} times a batch's input, at least 256 MB): a model card "
+                   f"and an ONNX graph are data")
     p.add_argument(TRUST_FLAG, action="store_true", dest="trust_code",
-                   help="let the checkpoint or export name code (your own model as an import path); a model file "
-                   "is data otherwise (docs/reliability.md: What is code and what is data)")
+                   help="let the checkpoint or export name code (your own model as an import path), and run a "
+                   "TorchScript export, which is a program (torch.jit.load runs its code). Without it a checkpoint, "
+                   "a safetensors file and an ONNX file are read as data, and a TorchScript file is refused "
+                   "(docs/reliability.md: What is code and what is data)")
     args = p.parse_args(argv)
     if args.top_k < 1:
         p.error(f"--top-k {args.top_k}: must be 1 or more")
@@ -50,7 +63,8 @@ def parse_args(argv):
 
 
 def image_files(arguments):
-    """Every image file the arguments name, in order: files as given, folders' image files sorted."""
+    """Every image file the arguments name, in order: files as given, folders' image files sorted. Anything that
+    is not a regular file (a device, a FIFO, a socket, or a link to one) is refused by name."""
     files = []
     for arg in arguments:
         if os.path.isdir(arg):
@@ -58,12 +72,40 @@ def image_files(arguments):
                            if is_image_file(os.path.join(root, name)))
             if not found:
                 raise InputError(f"{arg}: a folder with no image files (.jpg, .png, ...) in it")
-            files += found
-        elif os.path.isfile(arg):
-            files.append(arg)
+            files += [regular(path) for path in found]
+        elif os.path.lexists(arg):
+            files.append(regular(arg))
         else:
             raise InputError(f"{arg}: no such file or folder")
     return files
+
+
+def regular(path):
+    """`path`, where it is (or links to) a regular file; else InputError, in one line. (The reader checks what it
+    opened again: data/images.py.)"""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise InputError(f"{path}: cannot read it ({e.strerror}); give image files (.jpg, .png, ...)") from None
+    if not stat.S_ISREG(mode):
+        raise InputError(f"{path}: {kind_of(mode)}, not a regular file; give image files (.jpg, .png, ...)")
+    return path
+
+
+def batch_size(preprocessing, memory=None):
+    """How many images predict runs at once: BATCH, or fewer where the card's input size needs it to keep the
+    batch's inputs and the model's work on them (ONNX_BYTES_PER_INPUT_BYTE per byte of input) within `memory`
+    bytes (--max-memory-mb; default MEMORY). InputError where one image alone passes it."""
+    size, channels = preprocessing.image_size, preprocessing.channels
+    per_image = channels * size * size * 4 * ONNX_BYTES_PER_INPUT_BYTE
+    bound = memory or MEMORY
+    if per_image > bound:
+        raise InputError(f"the model card's preprocessing.image_size {size} makes each input {channels} x {size} x "
+                         f"{size} floats, and the model's run on one image about {per_image / MiB:,.0f} MiB "
+                         f"({ONNX_BYTES_PER_INPUT_BYTE} times its input), more than predict's bound of "
+                         f"{bound / MiB:,.0f} MiB; pass --max-memory-mb {math.ceil(per_image / MiB)} (or more) if "
+                         f"you trust this model to need that")
+    return min(BATCH, bound // per_image)
 
 
 def load_images(files, preprocessing):
@@ -84,10 +126,11 @@ def predict(args):
                          f"--task {card.task}. Run it on your own inputs from an export: hvd-train export "
                          f"{args.model} --format onnx")
     preprocessing = card.prepare()
+    batch = batch_size(preprocessing, args.max_memory_mb and args.max_memory_mb * MiB)
     files = image_files(args.images)
     results = []
-    for start in range(0, len(files), BATCH):
-        chunk = files[start:start + BATCH]
+    for start in range(0, len(files), batch):
+        chunk = files[start:start + batch]
         probs = torch.softmax(run(load_images(chunk, preprocessing))[0].float(), dim=1)
         top = probs.topk(min(args.top_k, probs.shape[1]), dim=1)
         for path, values, indices in zip(chunk, top.values.tolist(), top.indices.tolist()):

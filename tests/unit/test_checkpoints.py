@@ -102,6 +102,6 @@ def test_resume_auto_refuses_a_run_without_a_checkpoint(tmp_path):
 
 def test_a_killed_writer_leaves_only_temporary_files_that_the_next_run_removes(tmp_path):
     checkpoint.Checkpointer(str(tmp_path)).save(payload(1), 1, is_best=False)
-    (tmp_path / "last.pt.tmp.1234").write_bytes(b"half a checkpoint")
+    (tmp_path / "last.pt.tmp.k2j4x9q0").write_bytes(b"half a checkpoint")
     checkpoint.Checkpointer(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["epoch_0001.pt", "last.pt"]
