@@ -19,13 +19,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 import yaml
 
 from conftest import BIN, QUIET, ROOT, TRAIN, assert_refused, job_env, launch, read_json, shard, shard_flags
+import test_handed_over_files
 from test_handed_over_files import ALLOWANCE, an_image, peak_of_command
 
 from hvd_train.gate import RecordError, plain
@@ -33,6 +33,7 @@ from hvd_train.tools import export, predict
 from hvd_train.uris import redact_text, redact_values
 
 pytestmark = pytest.mark.xdist_group("one_gate")
+listener = test_handed_over_files.listener  # a TCP listener on loopback: yields (its URL, what reached it)
 
 
 @pytest.fixture(scope="module")
@@ -50,31 +51,6 @@ def shards(tmp_path_factory):
     out = tmp_path_factory.mktemp("gate-shards")
     shard(out, "--from", "digits", "--shard-size", "400")
     return out
-
-
-@pytest.fixture
-def listener():
-    """A TCP listener on loopback; yields (its URL, the connections made to it)."""
-    connections, sock, stop = [], socket.socket(), threading.Event()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    sock.settimeout(0.2)
-
-    def accept():
-        while not stop.is_set():
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                continue
-            connections.append(conn)
-            conn.close()
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", connections
-    stop.set()
-    thread.join()
-    sock.close()
 
 
 @pytest.fixture
