@@ -37,6 +37,23 @@ def _is_tensor(value):
     return torch.is_tensor(value) or isinstance(value, torch.Size)
 
 
+def _check_stored(tensor, where):
+    """A tensor may not claim more elements than its storage holds: strides of 0 (torch.expand) make a file of a
+    kilobyte a tensor of 10**11 elements, which the first copy (a dtype change, a stack) would allocate."""
+    import torch
+
+    if isinstance(tensor, torch.Size) or tensor.layout != torch.strided:
+        return
+    try:
+        stored = tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage of its own kind: nothing to expand
+        return
+    if tensor.numel() * tensor.element_size() > stored:
+        raise RecordError(f"{where}: holds a tensor of shape {tuple(tensor.shape)} stored in {stored:,} bytes (its "
+                          f"strides repeat them), which would take {tensor.numel() * tensor.element_size():,} bytes "
+                          f"once copied; torch.save of a model's tensors writes none like it")
+
+
 def plain(value, where, depth=MAX_DEPTH, nodes=MAX_NODES, text=MAX_TEXT_BYTES):
     """`value` itself when it is plain data within the bounds (module docstring); else RecordError naming `where`.
     Walked without recursion, and stopped at the first bound passed, so a bomb costs no more than the bound."""
@@ -64,7 +81,9 @@ def plain(value, where, depth=MAX_DEPTH, nodes=MAX_NODES, text=MAX_TEXT_BYTES):
                 stack.append((child, level + 1))
         elif isinstance(item, (list, tuple)):
             stack.extend((child, level + 1) for child in item)
-        elif item is None or isinstance(item, (bool, int, float, complex)) or _is_tensor(item):
+        elif _is_tensor(item):
+            _check_stored(item, where)
+        elif item is None or isinstance(item, (bool, int, float, complex)):
             continue
         else:
             raise RecordError(f"{where}: holds a {type(item).__name__}, which is not plain data")

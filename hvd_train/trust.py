@@ -37,6 +37,7 @@ FILE_ARGUMENTS = ("checkpoint_path", "pretrained", "pretrained_cfg", "pretrained
 # Mappings of arguments whose values reach factories as they are: a location among them is judged as a shard's is.
 NESTED = (("model", "args"), ("model", "facts"), ("model", "task_args"), ("data", "args"))
 LOCAL_SCHEMES = ("", "file")  # what webdataset opens as a local file; every other scheme has a handler that fetches
+DEFAULT_DATASET = "digits"  # data.dataset where neither a file nor the command line names one (config/learning.py)
 
 
 def reaches(location):
@@ -56,9 +57,10 @@ def reaches(location):
     return None
 
 
-def judged(values):
+def judged(values, dataset=None):
     """[(setting, value as it may be shown, why it needs trust)] for every value in {section: {field: value}} that
-    runs code, sends things away or makes a factory read files."""
+    runs code, sends things away or makes a factory read files. dataset: the data set the run uses where `values`
+    do not name it (the command line's, else the default)."""
     found = []
     for section, name in IMPORT_PATHS:
         value = values.get(section, {}).get(name)
@@ -87,16 +89,15 @@ def judged(values):
             if isinstance(given, dict) and key in given:
                 found.append((f"model.{part}.{key}", given[key], "an argument that makes the model read or fetch a "
                               "file"))
-    dataset = values.get("data", {}).get("dataset")
+    dataset = values.get("data", {}).get("dataset") or dataset or DEFAULT_DATASET
     if values.get("data", {}).get("args") and isinstance(dataset, str) and not is_import_path(dataset):
         # A factory that ships takes its settings from the data.* fields; arguments would replace them (the shards'
         # locations among them) past the checks above.
         found.append(("data.args", values["data"]["args"], f"arguments for {dataset}, a data set that ships, which "
                       f"would replace its own settings"))
     for section, name in NESTED:
-        given = values.get(section, {}).get(name)
-        for key, value in (given.items() if isinstance(given, dict) else ()):
-            if not isinstance(value, str) or not any(mark in value.lower() for mark in ("://", "ipe:", "{")):
+        for key, value in strings_in(values.get(section, {}).get(name)):
+            if not any(mark in value.lower() for mark in ("://", "ipe:", "{")):
                 continue  # a number, a word: what urlsplit would take for a scheme ("gelu:x") is no location
             try:
                 where = reaches(value)
@@ -107,6 +108,21 @@ def judged(values):
     return found
 
 
+def strings_in(value, path=""):
+    """(dotted key, string) of every string in a mapping of arguments, nested mappings and lists included (the gate
+    has bounded their size), without recursion."""
+    stack, found = [(path, value)], []
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            found.append((where, item))
+        elif isinstance(item, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in item.items())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(item))
+    return sorted(found)
+
+
 def refuse_code_from(values, where, trusted, given=None):
     """Refuse, in one ConfigError, the first value in `values` (read from `where`, a file) that runs code or sends
     things away, unless `trusted` (--trust-code) or the command line gave the same setting (`given`:
@@ -114,7 +130,7 @@ def refuse_code_from(values, where, trusted, given=None):
     if trusted:
         return
     given = given or {}
-    for setting, value, why in judged(values):
+    for setting, value, why in judged(values, given.get("data.dataset")):
         if setting in given or setting.rsplit(".", 1)[0] in given:
             continue
         raise ConfigError(f"{where}: {setting}={value!r} is {why}; a file is data and does not choose that for "

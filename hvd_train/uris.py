@@ -42,10 +42,9 @@ def redact(uri):
 
 
 def redact_argument(word):
-    """A command-line word as it may be shown: the URIs in it redacted, in a flag's `--name=value` form too, and
-    in a '::' list of shard patterns."""
-    flag, sep, value = word.partition("=") if word.startswith("-") else ("", "", word)
-    return flag + sep + redact_all(value) if "://" in value else word
+    """A command-line word as it may be shown: as redact_text shows it (the URIs in it, a pipe: command's
+    credentials, the `--name=value` form of a flag)."""
+    return redact_text(word)
 
 
 def redact_all(location):

@@ -22,6 +22,7 @@ from hvd_train.errors import CheckpointError, ConfigError
 from hvd_train.gate import RecordError, plain
 from hvd_train.plugins import call, resolve
 from hvd_train.trust import refuse_code_from
+from hvd_train.uris import redact_values
 
 # A model rebuilt from a card takes at most this many bytes per byte of the file holding its weights, plus the slack:
 # its parameters and persistent buffers are in the file, and what it computes besides (non-persistent buffers)
@@ -135,8 +136,9 @@ class ModelCard:
 
 def card_for(cfg, info, task):
     """The card of a model trained with `cfg` on data `info` for `task`."""
-    return ModelCard(cfg.model.name, dict(cfg.model.args), info.facts(), task.name, info.classes,
-                     info.preprocessing.to_dict() if info.preprocessing else None)
+    # Stored in every checkpoint and export: through the one redactor, as config.json is.
+    return ModelCard(cfg.model.name, redact_values(dict(cfg.model.args)), redact_values(info.facts()), task.name,
+                     info.classes, info.preprocessing.to_dict() if info.preprocessing else None)
 
 
 def card_of_checkpoint(ckpt, where):

@@ -30,7 +30,8 @@ from test_handed_over_files import ALLOWANCE, an_image, peak_of_command
 
 from hvd_train.gate import RecordError, plain
 from hvd_train.tools import export, predict
-from hvd_train.uris import redact_text, redact_values
+from hvd_train.trust import judged
+from hvd_train.uris import redact_argument, redact_text, redact_values
 
 pytestmark = pytest.mark.xdist_group("one_gate")
 listener = test_handed_over_files.listener  # a TCP listener on loopback: yields (its URL, what reached it)
@@ -95,6 +96,8 @@ def forbidden_settings(marker, url):
         "a file argument": {"model": {"args": {"checkpoint_path": str(marker)}}},
         "arguments replacing a shipped data set's settings": {"data": {**shards, "args": {"shard_index": command}}},
         "a command among a task's arguments": {"model": {"task_args": {"vocabulary": command}}},
+        "a location nested among arguments": {"model": {"task_args": {"files": {"train": [f"{url}/a.txt"]}}}},
+        "arguments for the default data set": {"data": {"args": {"image_size": 3_000_000}}},
         "nesting past its bound": {"model": {"args": {"deep": nested(40)}}},
         "a sample past its size bound": {"data": {"dataset": "synthetic", "synthetic_channels": 64,
                                                   "image_size": 8192}},
@@ -140,7 +143,8 @@ ENTRIES = [("recipe", "train"), ("config.json", "resume"), ("config.json", "eval
 
 def forbidden_structures(marker=None, url=None):
     """{kind of forbidden value: what a checkpoint or weights file holds besides its tensors}."""
-    return {"shared references": shared_bomb(), "nesting past its bound": nested(40), "an object": {1, 2}}
+    return {"shared references": shared_bomb(), "nesting past its bound": nested(40), "an object": {1, 2},
+            "a tensor its strides repeat": torch.zeros(1).expand(10**11)}
 
 
 def cases():
@@ -422,6 +426,26 @@ def test_error_messages_name_an_index_url_without_its_credentials(tmp_path, app,
     assert not any(s in result.stdout + result.stderr for s in SECRETS), line
 
 
+def test_the_rules_reach_every_string_nested_in_arguments_and_the_default_data_set():
+    found = judged({"model": {"task_args": {"files": {"train": ["http://x/a", "b"]}}}})
+    assert [setting for setting, _, _ in found] == ["model.task_args.files.train[0]"], found
+    assert [s for s, _, _ in judged({"data": {"args": {"image_size": 3}}})] == ["data.args"]  # digits, the default
+    assert not judged({"data": {"args": {"image_size": 3}}}, dataset="mine.sets:build")  # the user's own factory
+
+
+def test_a_model_card_is_stored_through_the_redactor():
+    """What every checkpoint and export's .json keeps of the model's arguments: no credential of a URI in them."""
+    from types import SimpleNamespace
+
+    from hvd_train.config import parse_config
+    from hvd_train.data import DataInfo
+    from hvd_train.run.model_card import card_for
+
+    cfg = parse_config(["--model-args", "weights_url=https://bob:s3cret@h/w.pt?token=tok123"])
+    card = card_for(cfg, DataInfo(1, 10, 8, 100, 20), SimpleNamespace(name="classification")).to_dict()
+    assert card["model_args"] == {"weights_url": "https://h/w.pt?token=REDACTED"}, card
+
+
 def test_the_redactor_finds_credentials_anywhere_in_a_text():
     assert redact_text("pipe:curl -s https://bob:s3cret@h/a.tar?token=tok123") == \
         "pipe:curl -s https://h/a.tar?token=REDACTED"
@@ -430,3 +454,5 @@ def test_the_redactor_finds_credentials_anywhere_in_a_text():
     assert redact_values({"data": {"args": {"url": "gs://b/x?sig=tok123"}}, "n": [1, "a"]}) == \
         {"data": {"args": {"url": "gs://b/x?sig=REDACTED"}}, "n": [1, "a"]}
     assert redact_text("plain words: a:b c") == "plain words: a:b c"
+    for word in ("pipe:curl -s https://bob:s3cret@h/x.tar", "--data.train_shards=pipe:curl -u bob:s3cret h/x.tar"):
+        assert "s3cret" not in redact_argument(word), word  # what W&B records of the command line
