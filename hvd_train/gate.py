@@ -145,7 +145,9 @@ def settings(raw, where, recorded=False):
         known = {f.name: f for f in dataclasses.fields(sections[section])}
         for key, value in fields.items():
             if key in COMMAND_LINE_ONLY.get(section, ()):
-                if recorded:
+                # A run's own record (and its config.json used as a recipe) holds both: where it was written is
+                # left out, and so is an overwrite that is off; one that is on is refused.
+                if recorded or key == "output_dir" or value is False:
                     continue
                 flag = "--output-dir" if key == "output_dir" else "--overwrite"
                 raise ConfigError(f"{where}: {section}.{key} is set; a file does not choose where a run is written "

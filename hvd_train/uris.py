@@ -61,8 +61,15 @@ def redact_text(text):
     app's logger."""
     if not isinstance(text, str) or ("://" not in text and not CREDENTIAL_IN_TEXT.search(text)):
         return text
-    text = URI_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+    text = URI_IN_TEXT.sub(lambda m: _redacted(m.group(0)), text)
     return CREDENTIAL_IN_TEXT.sub(lambda m: m.group(1) + HIDDEN, text)
+
+
+def _redacted(uri):
+    try:
+        return redact(uri)
+    except ValueError:  # a URI urlsplit cannot read (a stray "[" in a stack dump): none of it is shown
+        return HIDDEN
 
 
 def redact_values(value):

@@ -21,8 +21,9 @@ YAML recipe (`--config configs/NAME.yaml`: one mapping per section below), then 
 `--section.field VALUE` on the command line (`--optim.weight_decay 5e-4`), and the settings people reach for first
 have short flags too (`--lr`). A bad value, an unknown recipe key or a wrong YAML type stops every rank before
 training, with one message from rank 0 naming the setting, and exit code 2. A recipe is data: it cannot name code
-(an import path, a `pipe:` shard command) unless the command line says `--trust-code`, and it never sets
-`run.output_dir` or `run.overwrite`, which replace or move a run (docs/reliability.md: What is code and what is data).
+(an import path, a `pipe:` shard command) unless the command line says `--trust-code`; its `run.output_dir` is left
+out and a `run.overwrite` that is on refused, as they move or replace a run (docs/reliability.md: What is code and
+what is data).
 """
 
 

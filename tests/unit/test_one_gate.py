@@ -364,15 +364,16 @@ def test_a_checkpoint_whose_shared_references_expand_is_refused_within_memory(tm
     assert peak < benign_peak + ALLOWANCE, (peak, benign_peak)
 
 
-@pytest.mark.parametrize("setting", [{"overwrite": True}, {"output_dir": "somewhere-else"}])
-def test_a_recipe_never_replaces_or_moves_a_run(tmp_path, app, run, setting):
+@pytest.mark.parametrize("setting,named", [({"overwrite": True}, ("run.overwrite", "command line")),
+                                           ({"output_dir": "somewhere-else"}, ("already holds a run",))])
+def test_a_recipe_never_replaces_or_moves_a_run(tmp_path, app, run, setting, named):
     """Attack 12: a recipe setting run.overwrite replaced a user's earlier run and deleted its checkpoints."""
     given = tmp_path / "mine"
     shutil.copytree(run, given)
     before = sorted(p.name for p in (given / "checkpoints").iterdir())
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"run": setting, "optim": {"epochs": 1}}))
-    assert_refused(app("--config", recipe, "--output-dir", given), f"run.{next(iter(setting))}", "command line")
+    assert_refused(app("--config", recipe, "--output-dir", given), *named)  # its output_dir is left out
     assert sorted(p.name for p in (given / "checkpoints").iterdir()) == before
     assert not (ROOT / "somewhere-else").exists()
 
