@@ -11,6 +11,7 @@ import torch
 from hvd_train.run import checkpoint
 from hvd_train.run.directory import BEST_CHECKPOINT, LAST_CHECKPOINT
 from hvd_train.errors import CheckpointError
+from hvd_train.gate import RecordError, plain
 from hvd_train.run.model_card import ModelCard, card_of_checkpoint
 from hvd_train.trust import TRUST_FLAG
 from hvd_train.weights import SAFETENSORS_HEADER_MAX, safetensors_problem
@@ -96,25 +97,16 @@ def read_sidecar(path):
         raise CheckpointError(f"{where}: not JSON ({e}); export the model again with hvd-train export") from None
     except RecursionError:  # json nests by recursion: a few kilobytes of brackets exhaust it
         deep = True
-    if deep or nests_past(meta, SIDECAR_MAX_DEPTH):
+    if deep:
         raise CheckpointError(f"{where}: its values nest more than {SIDECAR_MAX_DEPTH} levels deep; an export's "
                               f".json nests a few, so it is not one hvd-train export wrote")
+    try:  # the gate (hvd_train/gate.py): bounded nesting and size, as every value read from a file
+        plain(meta, where, depth=SIDECAR_MAX_DEPTH)
+    except RecordError as e:
+        raise CheckpointError(f"{e}; an export's .json nests a few, so it is not one hvd-train export wrote") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{where}: not an export's .json (a {type(meta).__name__}, not an object)")
     return meta
-
-
-def nests_past(value, most):
-    """Whether the lists and objects of `value` (parsed JSON) nest more than `most` levels; walked without
-    recursion."""
-    stack = [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, (dict, list)):
-            if level > most:
-                return True
-            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return False
 
 
 def file_format(path):
