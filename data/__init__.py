@@ -36,12 +36,15 @@ class DataInfo:
     extra: dict = field(default_factory=dict)  # a user's data set's other facts (vocab_size, block_size, ...)
     classes: Optional[list] = None  # the classes' names in label order, where the data set knows them
     preprocessing: Optional[Preprocessing] = None  # how an image file becomes a validation sample (predict, exports)
-    # () -> one training sample as a batch of one, as the loader collates it (its structure and shapes): what lazy
-    # modules are materialised from. Not a fact: never stored.
+    # (samples=1) -> the first training samples as a batch, as the loader collates them (their structure and
+    # shapes): what lazy modules are materialised from and a task's figures are tried on. Not a fact: never stored.
     example: Optional[Callable] = field(default=None, repr=False, compare=False)
     # Facts a factory gets only where it names them as a parameter, never through **kwargs: those a shard index
     # (a file, and data) holds for a user's data set, so a timm model cannot be made to read a file or grow by them.
     by_name_only: tuple = ()
+    # The keyword arguments the data set's factory was called with (hvd_train/datasets.py; None: not built by
+    # it), for the setup's log line. Not a fact: never stored.
+    called_with: Optional[dict] = field(default=None, repr=False, compare=False)
 
     def facts(self):
         """The facts a model factory may name as parameters: the known image facts and the extra ones."""
@@ -90,17 +93,17 @@ def datasets_from(train, val, facts, dc, where=""):
                                 example=functools.partial(example_batch, train, val, image))
 
 
-def example_batch(train, val, image):
-    """One training sample collated into a batch of one, drawn from generators seeded for it and put back after, so
-    a peek changes no later draw. A stream (tar shards) has no first sample to index: a blank image of its size and
-    class 0, which is what a shard's image collates to, or a user's sample as the first validation shard holds
-    it."""
+def example_batch(train, val, image, samples=1):
+    """The first `samples` training samples (as many as there are) collated into a batch, drawn from generators
+    seeded for them and put back after, so a peek changes no later draw. A stream (tar shards) has no first sample
+    to index: blank images of its size and class 0, which is what a shard's image collates to, or a user's samples
+    as the first validation shard holds them."""
     if is_streamed(train):
         if train.facts.get("transform") == "samples":
-            return shards.first_batch(val, None, 1)
+            return shards.first_batch(val, None, samples)
         channels, _, size = image
-        return [torch.zeros(1, channels, size, size), torch.zeros(1, dtype=torch.long)]
-    return default_collate([SeededSamples(train)[(0, 0)]])
+        return [torch.zeros(samples, channels, size, size), torch.zeros(samples, dtype=torch.long)]
+    return default_collate([SeededSamples(train)[(i, 0)] for i in range(min(samples, len(train)))])
 
 
 def _preprocessing(recorded, image, dc):
@@ -154,10 +157,11 @@ def build_loaders(train_set, val_set, spec, rank, world_size, train_sampler=None
     val_sampler = ShardSampler(len(val_set), rank, world_size)
     # Each loader draws its workers' base seed from a generator of its own: from torch's global one it would move
     # the training process's stream (dropout) by a draw whenever persistent workers start, which a resumed run does
-    # at another epoch than the run it continues.
+    # at another epoch than the run it continues. Seeded by seed + rank, so each rank's workers draw their own
+    # streams (torch seeds worker w's torch, random and NumPy from that base + w); the shuffle's seed stays shared.
     common = dict(num_workers=spec.workers, pin_memory=spec.pin_memory, persistent_workers=spec.workers > 0,
                   multiprocessing_context=_worker_context(spec.workers), worker_init_fn=stop_signals_from(os.getpid()),
-                  generator=torch.Generator().manual_seed(spec.seed))
+                  generator=torch.Generator().manual_seed(spec.seed + rank))
     # Each training sample's random transforms are seeded from (seed, epoch, index): the same with any number of
     # workers and after a resume (data/augment.py).
     train_set, val_set, collate = decoded_where(train_set, val_set, spec)

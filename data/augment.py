@@ -18,6 +18,7 @@ Here the sampler's epoch and each sample's index choose the seed of that sample'
 (index, seed) to SeededSamples), so a run is reproducible from --seed with any number of workers, resumes bitwise,
 and every epoch and every rank (which holds other samples) draws differently.
 """
+import contextlib
 import hashlib
 import random
 from dataclasses import dataclass
@@ -260,6 +261,26 @@ class SeededSamples(Dataset):
         finally:
             random.setstate(python)
             np.random.set_state(numpy)
+
+
+@contextlib.contextmanager
+def generators_kept():
+    """Python's, NumPy's and torch's CPU generators as they were before the block, whatever it draws."""
+    python, numpy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+
+
+@contextlib.contextmanager
+def seeded(seed):
+    """The block draws from every generator seed_all seeds, seeded with `seed`; they are put back after."""
+    with generators_kept():
+        seed_all(seed)
+        yield
 
 
 def seed_all(seed):

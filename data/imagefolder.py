@@ -85,6 +85,8 @@ def load(data_dir, image_size, skip_bad_files=False, augment=None):
         train_dir = val_dir = data_dir
     for root in dict.fromkeys((train_dir, val_dir)):
         check_classes(root)
+    if presplit:
+        check_same_classes(data_dir, class_folders(train_dir), class_folders(val_dir))
     bad = []
 
     def keep(path):
@@ -105,10 +107,26 @@ def load(data_dir, image_size, skip_bad_files=False, augment=None):
                         f"or remove those class folders") from None
     if bad:
         log.info("left out %d image(s) that do not decode (--data.skip_bad_files), e.g. %s", len(bad), bad[0])
-    if train.classes != val.classes:
-        raise DataError(f"{train_dir} and {val_dir} have different class folders")
+    check_same_classes(data_dir, train.classes, val.classes)
     warn_lonely_classes(train, presplit)
     return train, val, presplit
+
+
+def check_same_classes(data_dir, train, val, shown=10):
+    """train/ and val/ must hold the same class folders (a class is its folder's index in sorted order): else a
+    DataError naming the classes only in train/ and those only in val/ (the first `shown` of each)."""
+    if list(train) == list(val):
+        return
+
+    def named(classes):
+        more = f" and {len(classes) - shown} more" if len(classes) > shown else ""
+        return (", ".join(classes[:shown]) + more) if classes else "none"
+
+    only_train = sorted(set(train) - set(val))
+    only_val = sorted(set(val) - set(train))
+    raise DataError(f"image folder {data_dir}: train/ and val/ have different class folders: only in train/: "
+                    f"{named(only_train)}; only in val/: {named(only_val)}; give both the same class folders (a "
+                    f"class is known by its folder's place in sorted order)")
 
 
 def warn_lonely_classes(train, presplit):

@@ -403,10 +403,11 @@ class ShardLoader:
     def __init__(self, shards, spec, place, transform, context):
         self.stream = ShardStream(shards, place, transform, spec.shuffle_buffer)
         # Its own generator: the loader's seed draw leaves the training process's random numbers (dropout) alone.
+        # Seeded by seed + rank: each rank's workers their own base seed (torch adds each worker's id).
         self.loader = DataLoader(self.stream, batch_size=None, num_workers=spec.workers, pin_memory=spec.pin_memory,
                                  persistent_workers=spec.workers > 0, multiprocessing_context=context,
                                  worker_init_fn=stop_signals_from(os.getpid()),
-                                 generator=torch.Generator().manual_seed(spec.seed))
+                                 generator=torch.Generator().manual_seed(place.seed + place.rank))
         self.set_epoch(1)
 
     def set_epoch(self, epoch):

@@ -12,14 +12,14 @@ import time
 import traceback
 import warnings
 
-import torch
-
 import hvd_utils
 from hvd_train.guards import interrupt
 from hvd_train.checks import check_choices
 from hvd_train.config import parse_config
 from hvd_train.data import BadSampleError, DataError
-from hvd_train.errors import CheckpointError, ConfigError, NonFiniteLossError, say
+from hvd_train.errors import (EXIT_BAD_DATA, EXIT_DIVERGED, EXIT_REFUSED, CheckpointError, ConfigError,
+                              NonFiniteLossError, say)
+from hvd_train.run.checkpoint import seed_generators
 from hvd_train.run.directory import check_writable, keep_private
 from hvd_utils.elastic import under_elastic_launcher
 
@@ -99,7 +99,9 @@ def settle(cfg, rt):
         raise ConfigError("this Horovod was built without CUDA (horovodrun --check-build lists no NCCL), so the ranks "
                           "cannot average gradients on their GPUs; rebuild it with `scripts/install.sh --gpu`, or "
                           "train on the CPUs with --device cpu")
-    torch.manual_seed(cfg.run.seed + rt.rank)  # different dropout per rank; the weights come from rank 0
+    # torch's, CUDA's, Python's and NumPy's generators, each rank its own stream (dropout and a plug-in's draws
+    # differ by rank; the weights come from rank 0); checkpoints save their states and a resume puts them back.
+    seed_generators(cfg.run.seed + rt.rank)
     warn_of_many_workers(cfg.data.workers, rt)
     # (An elastic worker checks alone: one that joins later must not run a collective outside Horovod's loop.)
     if cfg.horovod.elastic:
@@ -156,7 +158,7 @@ def refused(error):
         say(f"train_hvd.py: error: {error}")
     elif not hvd_utils.started():  # an elastic worker: alone until Horovod's loop
         leave_it_to_rank_0(error)
-    return 3 if isinstance(error, NonFiniteLossError) else 2
+    return EXIT_DIVERGED if isinstance(error, NonFiniteLossError) else EXIT_REFUSED
 
 
 def say_refusal(agreed):
@@ -164,7 +166,7 @@ def say_refusal(agreed):
     if hvd_utils.rank() == 0:
         where = f"rank {agreed.rank}: " if agreed.rank else ""
         say(f"train_hvd.py: {where}error: {agreed.message}")
-    return 2
+    return EXIT_REFUSED
 
 
 def guarded(run):
@@ -177,9 +179,9 @@ def guarded(run):
     except hvd_utils.SettingsRefused as e:  # another rank refused its settings (hvd_utils.start)
         code = say_refusal(e)
     except BadSampleError as e:
-        # Met by this rank alone, mid-epoch: it names the file; the other ranks stop as their peer is gone.
+        # Met by this rank alone, mid-epoch: it names the file; the other ranks stop as their peer is gone (exit 1).
         say(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: error: {e}")
-        code = 2
+        code = EXIT_BAD_DATA
     except interrupt.Interrupted as e:
         # Ctrl-C or SIGTERM: rank 0 says where the run stopped and where --resume auto continues.
         interrupt.report()

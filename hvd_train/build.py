@@ -16,7 +16,7 @@ from hvd_train.config import OPTIMIZERS
 from hvd_train.errors import ConfigError
 from hvd_train.plugins import call, is_import_path, resolve, takes
 from hvd_train.profiling import StepProfiler
-from hvd_train.data.augment import Augmentation
+from hvd_train.data.augment import Augmentation, generators_kept
 from hvd_train.schedule import batching
 from hvd_train.weights import load_matching
 from hvd_train import models
@@ -198,6 +198,26 @@ def try_a_sample(model, task, info, device, cfg):
         raise ConfigError(f"--model={cfg.model.name}: lazy parameter(s) {', '.join(left[:3])} were not used by "
                           f"a forward pass of a training sample, so they have no shape; use them in forward(), or "
                           f"give their sizes")
+
+
+def try_the_metrics(model, task, info, device):
+    """A task of one's own, tried on a batch of one training sample and on one of two before anything is written,
+    on every rank: metric sums that cannot be added over batches and ranks (a shape that changes with the batch,
+    a value that is no tensor), a best_metric that is no number or a derived figure that is not finite are
+    refused in one line, not after an epoch. The shapes the sums take are kept (a rank without validation samples
+    sends zeros of them). The model runs in eval mode without gradients, and the CPU's generators are put back
+    (a resume restores every generator's state after it anyway)."""
+    if task.name in tasks.TASKS or not (task.metrics or task.derived) or info.example is None:
+        return
+    feed = Feed(device, *image_figures(info))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"), generators_kept():
+            sums = [task.step(model, feed(info.example(samples)))[1] for samples in (1, 2)]
+    finally:
+        model.train(was_training)
+    task.check_sums(sums[-1])  # the figures of two samples: a spread, a correlation is undefined on one
 
 
 def attach_profiler(trainer, cfg, rt, run_dir):

@@ -6,8 +6,9 @@ from torch.utils.data import IterableDataset
 
 from hvd_train import data
 from hvd_train.data import datasets_from, is_streamed
+from hvd_train.data.augment import seeded
 from hvd_train.errors import ConfigError
-from hvd_train.plugins import call, resolve, takes
+from hvd_train.plugins import arguments, resolve, takes
 
 
 def dataset_factory(name):
@@ -32,7 +33,11 @@ def build_datasets(dc, seed=0, augment=None):
     (train, val, facts), val None for the app's split. augment: the training run's Augmentation (tools that read a
     data set, such as hvd-train shard, pass none and get the samples as they are)."""
     name, factory = dc.dataset, dataset_factory(dc.dataset)
-    made = call(factory, dataset_settings(dc, seed, augment), dc.args, "--data-args", name)
+    kwargs = arguments(factory, dataset_settings(dc, seed, augment), dc.args, "--data-args", name)
+    # Every rank makes the same data: a factory that draws from Python's, NumPy's or torch's global generator
+    # draws from them seeded with the shared seed, not each rank's own (seed + rank), which continues after it.
+    with seeded(seed):
+        made = factory(**kwargs)
     if not isinstance(made, (tuple, list)) or len(made) not in (2, 3) or \
             (len(made) == 3 and not isinstance(made[2], dict)):
         raise ConfigError(f"--dataset={name!r}: the factory must return (train, val) or (train, val, facts) with "
@@ -46,7 +51,9 @@ def build_datasets(dc, seed=0, augment=None):
                               f"__getitem__: hvd-train shards a data set by index (DistributedSampler), so it must "
                               f"be map-style; wrap a stream in a map-style Dataset, or shard its files yourself")
     where = f" in {dc.data_dir}" if takes(factory, "data_dir") else ""
-    return datasets_from(made[0], made[1], made[2] if len(made) == 3 else {}, dc, where)
+    train, val, info = datasets_from(made[0], made[1], made[2] if len(made) == 3 else {}, dc, where)
+    info.called_with = kwargs  # what the setup's data line shows (hvd_train/run/reporting.py)
+    return train, val, info
 
 
 def _describe(value):

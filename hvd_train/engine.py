@@ -264,9 +264,11 @@ def feed_of(trainer):
 
 
 def reduce_sums(task, local, name):
-    """Sum a task's metric sums over all ranks; every key is sent even where this rank has none."""
-    zero = torch.zeros((), dtype=torch.float64)
-    total = hvd_utils.allreduce_sums({k: local.get(k, zero) for k in task.keys}, name=name)
+    """Sum a task's metric sums over all ranks; every key is sent even where this rank has none (zeros of the
+    shape the sum has: every rank packs the same number of values)."""
+    sent = {k: local[k] if k in local else torch.zeros(task.shapes.get(k, ()), dtype=torch.float64)
+            for k in task.keys}
+    total = hvd_utils.allreduce_sums(sent, name=name)
     return {k: total[k] for k in task.keys}  # in the task's order: records and log lines show them so
 
 
@@ -313,7 +315,7 @@ def close_epoch(trainer, train_sums, val_loader, timing):
         hvd_utils.average_buffers(t.ema.module)
         ema = evaluate_all(t.ema.module, t.task, val_loader, feed_of(t), t.opts.amp)
         record.update({f"val_ema_{k}": v for k, v in ema.items()})
-    log.info(format_record(timing.epoch, t.epochs, train, val, record, t.task.shown))
+    log.info(format_record(timing.epoch, t.epochs, train, val, record, t.task.shown, t.task.helpers))
     return record
 
 
@@ -326,13 +328,15 @@ def epoch_record(epoch, lr, epoch_seconds, train, val):
     return record
 
 
-def format_record(epoch, epochs, train, val, record, shown=None):
+def format_record(epoch, epochs, train, val, record, shown=None, helpers=()):
     """One line per epoch: train and validation terms and metrics as the task names them (shown: {metric: label}
-    for those it shows in percent, as classification's top-1 and top-5), rate and time."""
+    for those it shows in percent, as classification's top-1 and top-5), rate and time. Helpers and metrics that
+    are tensors (lists in the record) are left for metrics.jsonl."""
     shown = shown or {}
 
     def terms(metrics):
-        names = [k for k in metrics if k != "count"]  # the task's order: loss, its terms, its metrics
+        # The task's order: loss, its terms, its metrics, its derived figures.
+        names = [k for k, v in metrics.items() if k != "count" and k not in helpers and not isinstance(v, list)]
         return " ".join(f"{shown[k]} {metrics[k]:.2f}%" if k in shown else f"{k} {metrics[k]:.4f}" for k in names)
 
     ema = {k[8:]: v for k, v in record.items() if k.startswith("val_ema_")}

@@ -77,10 +77,15 @@ def call(factory, facts, args, flag, name, by_name_only=()):
     """factory(**the facts it names, **args). An argument in `args` it does not take, or a parameter without a
     default that neither gives, is refused with the setting named. by_name_only: facts read from a file, which a
     factory gets only where it names them (never through its **kwargs)."""
+    return factory(**arguments(factory, facts, args, flag, name, by_name_only))
+
+
+def arguments(factory, facts, args, flag, name, by_name_only=()):
+    """The keyword arguments call() passes `factory` (the same checks and refusals): what a log line may show."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # a builtin or extension callable without a signature: give it everything
-        return factory(**{k: v for k, v in facts.items() if k not in by_name_only}, **args)
+        return {**{k: v for k, v in facts.items() if k not in by_name_only}, **args}
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     named = [n for n, p in params.items() if p.kind in by_name]
@@ -94,4 +99,5 @@ def call(factory, facts, args, flag, name, by_name_only=()):
         known = ", ".join(f"{k}={v!r}" for k, v in facts.items()) or "none"
         raise ConfigError(f"{flag}: {name} needs {missing[0]!r}, which neither the run (it knows: {known}) nor the "
                           f"settings give; pass it in {flag}, e.g. {flag} {missing[0]}=VALUE")
-    return factory(**kwargs)
+    # In the order of the factory's parameters, then those its **kwargs takes: as its signature reads.
+    return {**{n: kwargs[n] for n in named if n in kwargs}, **kwargs}

@@ -11,19 +11,30 @@ A task is a class with
     def metric_sums(self, outputs, batch):  # -> {metric: sum over the batch's samples}; optional without metrics
 
     derived = ()                   # optional: names of figures made from an epoch's means (perplexity from loss)
-    def derive(self, means):       # -> {name: value}, from the means of the loss, the terms and the metrics
+    def derive(self, means):       # -> {name: number}, from the means of the loss, the terms and the metrics
+    helpers = ()                   # optional: metrics only derive() needs, kept out of the line, summary, curves
 
 `batch` is whatever the data set's samples collate to (a tuple, a dict of tensors), already on the device. The
 app multiplies each term by the batch's samples and adds the metric sums over batches and ranks; one division by
 the number of samples at the end of an epoch gives exact means (hvd_train.run.best), whatever the shard sizes. A
-batch's samples are the length of its first tensor unless the task has a `samples(batch)` method.
+metric sum may be a tensor of any fixed shape (per-class intersections, a confusion matrix): it is added and
+divided as a whole, derive() gets it as a float64 tensor (means["count"] times it gives the sums back), and the
+records hold it as a list, in metrics.jsonl only. A batch's samples are the length of its first tensor unless the
+task has a `samples(batch)` method.
 The two tasks that ship, classification and the VAE, are written against this same interface.
 """
+import math
+import numbers
+import os
+import traceback
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from hvd_train.errors import ConfigError
 from hvd_train.plugins import call
+from hvd_train.run.best import averages
 
 
 # The keys of a dict sample that hold its class, as HuggingFace's data sets and models name them.
@@ -172,7 +183,9 @@ class RunTask:
         self.terms = tuple(getattr(task, "terms", ("loss",)))
         self.metrics = tuple(getattr(task, "metrics", ()))
         self.derived = tuple(getattr(task, "derived", ()))
-        check_task(task, name, self.terms, self.metrics, self.derived)
+        self.helpers = tuple(getattr(task, "helpers", ()))
+        check_task(task, name, self.terms, self.metrics, self.derived, self.helpers)
+        self.shapes = {}  # each metric sum's shape, from its first batch: every later batch must give the same
         self.best_metric, self.best_mode = task.best_metric, task.best_mode
         # Metrics the task labels for people, shown in percent ({"acc1": "top-1"}); the others by their own names.
         self.shown = {k: v for k, v in dict(getattr(task, "shown", {})).items() if k in self.metrics}
@@ -180,15 +193,21 @@ class RunTask:
         self.keys = ("count", "loss") + split + self.metrics
 
     def finish(self, means):
-        """An epoch's means (from hvd_train.run.best.averages) with the task's derived figures added."""
+        """An epoch's means (from hvd_train.run.best.averages) with the task's derived figures added; a metric
+        that is a tensor becomes a list (records are JSON)."""
         if self.derived:
             made = self.task.derive(dict(means))
             if not isinstance(made, dict) or set(made) != set(self.derived):
                 shown = sorted(made) if isinstance(made, dict) else type(made).__name__
                 raise ConfigError(f"--task {self.name}: derive() must return the figures it declares, "
                                   f"{list(self.derived)}; it returned {shown}")
-            means.update({k: float(v) for k, v in made.items()})
-        return means
+            means.update({k: number(v, f"--task {self.name}: derive()'s {k!r}") for k, v in made.items()})
+        return {k: v.tolist() if torch.is_tensor(v) else v for k, v in means.items()}
+
+    def hidden(self):
+        """The record keys kept out of the epoch line, the summary, the curves and the trackers: the helpers'
+        (metrics.jsonl keeps them). A metric that is a tensor is kept out as well, as its value is a list."""
+        return {f"{split}_{h}" for split in ("train", "val", "val_ema") for h in self.helpers}
 
     def samples(self, batch):
         """The number of samples in a batch."""
@@ -213,11 +232,62 @@ class RunTask:
                 shown = sorted(got) if isinstance(got, dict) else type(got).__name__
                 raise ConfigError(f"--task {self.name}: metric_sums() must return the metrics it declares, "
                                   f"{list(self.metrics)}; it returned {shown}")
-            sums.update(got)
+            sums.update({k: self.checked_sum(k, v) for k, v in got.items()})
         return loss, sums
 
+    def checked_sum(self, name, value):
+        """A metric sum that can be added over batches and ranks: a tensor (of the shape its first batch gave)
+        or a number."""
+        if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biuf":
+            value = torch.as_tensor(value)  # NumPy's arrays and numbers add as tensors do
+        if isinstance(value, bool) or not (torch.is_tensor(value) or isinstance(value, numbers.Real)):
+            raise ConfigError(f"--task {self.name}: metric_sums()'s {name!r} is a {type(value).__name__}; return "
+                              f"a tensor (of any fixed shape) or a number, summed over the batch's samples")
+        shape = tuple(value.shape) if torch.is_tensor(value) else ()
+        if self.shapes.setdefault(name, shape) != shape:
+            raise ConfigError(f"--task {self.name}: metric_sums()'s {name!r} has shape {list(shape)} on one batch "
+                              f"and {list(self.shapes[name])} on another; a sum must have the same shape on every "
+                              f"batch to be added over batches and ranks (sum over the batch's samples, e.g. "
+                              f".sum(dim=0))")
+        return value
 
-def check_task(task, name, terms, metrics, derived=()):
+    def check_sums(self, sums):
+        """The one-sample check of a task's figures (hvd_train.build.try_the_metrics): `sums` of one batch made
+        into an epoch's figures; a best_metric that is not a number, or a derived figure that is not finite, is
+        refused before training."""
+        vectors = [k for k, shape in self.shapes.items() if shape]
+        best = self.best_metric.split("_", 1)[1]
+        if best in vectors:
+            raise ConfigError(f"--task {self.name}: best_metric {self.best_metric!r} is a tensor of shape "
+                              f"{list(self.shapes[best])}, and best.pt and --stop-at compare numbers; name a "
+                              f"derived figure made from it (derived = (...) and derive())")
+        totals = {k: torch.as_tensor(v, dtype=torch.float64).detach().cpu() for k, v in sums.items()}
+        # As hvd_utils.allreduce_sums hands them to an epoch: numbers for scalars, tensors for the others.
+        try:
+            figures = self.finish(averages({k: float(v) if v.dim() == 0 else v for k, v in totals.items()}))
+        except (ArithmeticError, ValueError) as e:  # a division by zero, math.sqrt(-1e-18): found after an epoch
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            raise ConfigError(f"--task {self.name}: derive() raised {type(e).__name__}: {e} on one training "
+                              f"sample ({os.path.basename(where.filename)}:{where.lineno}); a figure must be "
+                              f"finite on any batch (guard its divisions)") from None
+        bad = next((k for k in self.derived if not math.isfinite(figures[k])), None)
+        if bad is not None:
+            raise ConfigError(f"--task {self.name}: derive() gave {bad}={figures[bad]} on one training sample; a "
+                              f"figure must be finite on any batch, as an epoch's figure is made the same way "
+                              f"(guard its divisions, e.g. union.clamp(min=1))")
+
+
+def number(value, what):
+    """A derived figure as a float; anything else (a tensor of several values, a string) is refused."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        shown = f"a tensor of shape {list(value.shape)}" if torch.is_tensor(value) else f"a {type(value).__name__}"
+        raise ConfigError(f"{what} is {shown}; a derived figure is one number (a helper metric may be a tensor: "
+                          f"keep it in metrics and helpers)") from None
+
+
+def check_task(task, name, terms, metrics, derived=(), helpers=()):
     """A task that cannot be driven is refused before training, with what to add."""
     if not callable(getattr(task, "loss", None)):
         raise ConfigError(f"--task {name}: has no loss(self, model, batch) method returning ({{term: loss}}, outputs)")
@@ -232,12 +302,16 @@ def check_task(task, name, terms, metrics, derived=()):
     if clash or not terms:
         raise ConfigError(f"--task {name}: terms {list(terms)}, metrics {list(metrics)} and derived figures "
                           f"{list(derived)} must be distinct names, not 'count', with at least one term")
-    choices = ", ".join(f"{split}_{n}" for split in ("val", "train") for n in names)
+    stray = [h for h in helpers if h not in metrics]
+    if stray:
+        raise ConfigError(f"--task {name}: helpers {stray} are not among its metrics {list(metrics)}; a helper is "
+                          f"a metric sum kept out of sight (for derive()), so declare it in metrics too")
+    choices = ", ".join(f"{split}_{n}" for split in ("val", "train") for n in names if n not in helpers)
     best = getattr(task, "best_metric", None)
     if best is None:
         raise ConfigError(f"--task {name}: declares no best_metric (what best.pt and --stop-at compare); add e.g. "
                           f"best_metric = 'val_loss' and best_mode = 'min'. It can be one of: {choices}")
-    if best not in [f"{split}_{n}" for split in ("val", "train") for n in names]:
+    if best not in [f"{split}_{n}" for split in ("val", "train") for n in names if n not in helpers]:
         raise ConfigError(f"--task {name}: best_metric {best!r} is not a metric it reports; choose one of: {choices}")
     if getattr(task, "best_mode", None) not in ("min", "max"):
         raise ConfigError(f"--task {name}: best_mode must be 'min' or 'max' (whether a lower or a higher "

@@ -14,7 +14,7 @@ import torch
 import hvd_utils
 from hvd_train.guards import interrupt, time_limit, watchdog
 from hvd_train.build import (attach_profiler, build_model_for, build_optimizer, build_task, load_initial_weights,
-                             loader_spec, prepare_data, try_a_sample)
+                             loader_spec, prepare_data, try_a_sample, try_the_metrics)
 from hvd_train.checks import check_shards
 from hvd_train.data import DataInfo, LoaderSpec, build_loaders, check_world, is_streamed
 from hvd_train.data import continue_epoch as continue_epoch_of
@@ -72,6 +72,7 @@ def model_and_task(cfg, info, device):
     model = build_model_for(cfg, info, device)
     task = build_task(cfg, info)
     try_a_sample(model, task, info, device, cfg)  # lazy shapes taken; a classifier's samples checked
+    try_the_metrics(model, task, info, device)  # a task of one's own: its sums and figures reduce
     freeze_configured(model, cfg.model)  # before the optimizer: frozen parameters are not given to it
     return model, task
 
@@ -124,7 +125,9 @@ def claim(cfg, rt, info, trainer):
     run_dir = RunDir(cfg.run.output_dir)
     resume_from = hvd_utils.decide_on_root(
         lambda: run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite, local_mlflow(cfg)), "output_dir")
-    with run_dir.lock:
+    # Held until the block ends; stopped before training starts (a refusal of the checkpoint, say), the run leaves
+    # no directory it made (RunDir.held).
+    with run_dir.held():
         state, rank_buffers = RunState(), {}
         if resume_from:  # refused on every rank before anything is written
             rank_buffers = read_checkpoint(resume_from, trainer, state, checkpoint_fits(cfg, info, trainer.task))
@@ -157,6 +160,7 @@ def fit(run, loaders):
                    "not at all: --resume auto continues from the newest.")
     after_epoch = AfterEpoch(cfg, trainer, state, outputs)
     saves = StepSaves(cfg, after_epoch, time_limit.deadline(cfg.checkpoint.before_time_limit_s, rt.is_main))
+    run.run_dir.training()  # from here on the directory is kept, whatever becomes of the run
     try:
         # While the epochs run, SIGTERM and SIGUSR1 have a checkpoint written at the next step before the run stops.
         with interrupt.save_first():

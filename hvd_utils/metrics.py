@@ -9,17 +9,18 @@ import torch
 
 
 def allreduce_sums(sums, name="metric_sums"):
-    """Sum a dict of scalar tensors over all ranks with one allreduce.
+    """Sum a dict of tensors over all ranks with one allreduce.
 
-    Keys are sorted so every rank packs the same values in the same order; float64 keeps large sample counts
-    exact. Returns plain floats.
+    Each value may have any shape (a scalar, per-class counts, a confusion matrix), the same on every rank. Keys
+    are sorted so every rank packs the same values in the same order; float64 keeps large sample counts exact.
+    Returns plain floats for scalars and float64 CPU tensors of their own shapes for the others.
     """
-    if hvd.size() == 1:  # alone: no wait for Horovod's next cycle (100 ms when alone, hvd_utils/runtime.py)
-        return {k: float(v) for k, v in sums.items()}
     keys = sorted(sums)
-    packed = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).detach().cpu() for k in keys])
-    total = hvd.allreduce(packed, op=hvd.Sum, name=name)
-    return dict(zip(keys, total.tolist()))
+    values = [torch.as_tensor(sums[k], dtype=torch.float64).detach().cpu() for k in keys]
+    if values and hvd.size() > 1:  # alone: no wait for Horovod's next cycle (100 ms when alone, hvd_utils/runtime.py)
+        packed = hvd.allreduce(torch.cat([v.reshape(-1) for v in values]), op=hvd.Sum, name=name)
+        values = [part.reshape(v.shape) for part, v in zip(packed.split([v.numel() for v in values]), values)]
+    return {k: float(v) if v.dim() == 0 else v for k, v in zip(keys, values)}
 
 
 def params_fingerprint(model):

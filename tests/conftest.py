@@ -165,12 +165,13 @@ def app_output(output):
     return re.sub(r'Traceback \(most recent call last\):\n  File "[^"]*/horovodrun".*', "", output, flags=re.DOTALL)
 
 
-def assert_refused(result, *needles):
-    """The app refused: exit 2 (under horovodrun too, which names the rank and passes its code on), exactly one
-    `train_hvd.py: error:` (or `train_hvd.py: rank N: error:`) line in the whole output (every rank stopped, rank 0
-    alone said why) holding every needle, and no traceback, of the app or of the launcher. Returns that line."""
+def assert_refused(result, *needles, code=2):
+    """The app refused: exit 2 (under horovodrun too, which names the rank and passes its code on; `code` 5 for bad
+    data met mid-run), exactly one `train_hvd.py: error:` (or `train_hvd.py: rank N: error:`) line in the whole
+    output (every rank stopped, rank 0 alone said why) holding every needle, and no traceback, of the app or of the
+    launcher. Returns that line."""
     output = result.stdout + result.stderr
-    assert result.returncode == 2, output[-3000:]
+    assert result.returncode == code, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     lines = [line for line in output.splitlines() if re.search(r"train_hvd\.py: (rank \d+: )?error:", line)]
     assert len(lines) == 1 and all(n in lines[0] for n in needles), output[-3000:]

@@ -109,7 +109,12 @@ class LoggingConfig(_Section):
 class RunConfig(_Section):
     output_dir: str = opt("runs/latest", "where rank 0 writes summary, metrics, checkpoints and the resolved config "
                           "(the command line only: a recipe does not choose it)", flags=("output-dir",))
-    seed: int = opt(42, "base random seed; rank r seeds with seed + r, parameters come from rank 0", flags=("seed",))
+    seed: int = opt(42, "base random seed: rank r seeds Python's random, NumPy's global generator and torch's (and "
+                    "CUDA's) with seed + r in its training process (checkpoints save their states, a resume puts "
+                    "them back), and its loader workers' from a base that torch draws from seed + r, plus each "
+                    "worker's id (each training sample is drawn seeded by seed, epoch and index); the shuffle and a "
+                    "data set factory's draws use the seed itself, shared by the ranks (every rank makes the same "
+                    "data); the weights come from rank 0", flags=("seed",))
     evaluate: bool = opt(False, "only evaluate the checkpoint given by --resume, then stop", flags=("evaluate",))
     overwrite: bool = opt(False, "start afresh in an output directory that holds a run, replacing its files (the "
                           "command line only)", flags=("overwrite",))

@@ -160,14 +160,17 @@ def train(cfg, rt, data, trainer, loaders):
         now = build_loaders(data.train_set, data.val_set, data.spec, rank, size)
         if streamed:
             hooks.sampler = now[0]
+        outputs.run_dir.training()
         fit(trainer, now[0] if streamed else train_loader, now[1], hooks, first_epoch=st.epoch)
 
-    try:
-        run_loop(st)
-        close_profiler(trainer)
-    finally:
-        outputs.reporter.close()
-        outputs.run_dir.lock.release()  # held by the process that claimed the directory, while it lives
+    # The lock is held by the process that claimed the directory, while it lives; stopped before training started,
+    # it leaves no directory it made (RunDir.held).
+    with outputs.run_dir.held():
+        try:
+            run_loop(st)
+            close_profiler(trainer)
+        finally:
+            outputs.reporter.close()
     rank, size, local_size = elastic.world()
     state.set_elastic({"resets": st.resets, "steps_redone": st.redone, "commit_every": cfg.horovod.commit_every,
                        "steps": st.steps})

@@ -1,6 +1,7 @@
 """Metrics from a task's sums: exact averages over every sample of every rank, and comparisons with the best.
 
-Every sum but `count` becomes a mean per sample (a task reports accuracies as sums of 100 per hit: percentages).
+Every sum but `count` becomes a mean per sample (a task reports accuracies as sums of 100 per hit: percentages);
+a sum that is a tensor (per-class counts, a confusion matrix) is divided as a whole.
 """
 
 
@@ -28,5 +29,6 @@ def averages(totals):
     """Global sums -> per-sample means (a task's loss, its terms and its metrics). With no samples: NaN, count 0."""
     count = totals.get("count", 0.0)
     out = {"count": int(count)}
-    out.update({key: value / count if count else float("nan") for key, value in totals.items() if key != "count"})
+    out.update({key: value / count if count else value * float("nan") for key, value in totals.items()
+                if key != "count"})
     return out

@@ -1,11 +1,13 @@
 """Checkpoints: everything a run needs to continue exactly, written atomically by rank 0; one save, one load.
 
 A checkpoint holds the model, optimizer and AMP scaler states, the run state (epoch, optimizer steps, best metric,
-per-epoch history), the resolved config and every rank's RNG states; the learning rate follows from the epoch.
+per-epoch history), the resolved config and every rank's RNG states (torch's, CUDA's, Python's and NumPy's global
+generator's); the learning rate follows from the epoch.
 Files in <dir>: epoch_NNNN.pt (the newest keep_last), step_NNNNNNNN.pt (the newest checkpoint taken within an
 epoch, named by the run's optimizer steps), last.pt and best.pt. Loading uses torch.load(weights_only=True): a
 checkpoint is data, and a file that would run code on loading is refused.
 """
+import logging
 import os
 import pickle
 import random
@@ -16,6 +18,7 @@ import threading
 import warnings
 import zipfile
 
+import numpy as np
 import torch
 
 from hvd_train.errors import CheckpointError
@@ -24,6 +27,7 @@ from hvd_train.guards import interrupt
 from hvd_train.run.directory import (BEST_CHECKPOINT, LAST_CHECKPOINT, atomic_write, no_link_below, reported_write,
                                      temporary_beside)
 
+log = logging.getLogger("hvd_train")
 VERSION = 1
 # The setting behind each field a checkpoint must share with the run that loads it (run_state.checkpoint_fits).
 FIT_SETTINGS = {"model_name": "--model", "task": "--task", "dataset": "--dataset", "optimizer_name": "--optimizer",
@@ -31,17 +35,34 @@ FIT_SETTINGS = {"model_name": "--model", "task": "--task", "dataset": "--dataset
                 "image_size": "--image-size"}
 
 
+def seed_generators(seed):
+    """Seed every generator a model, a task or a user's data set may draw from in this process: torch's (CUDA's
+    too), Python's `random` and NumPy's global one (which takes 32 bits): the ones rng_state() saves."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def rng_state():
-    """This process's random number generator states, in types torch.load(weights_only=True) accepts."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """This process's random number generator states, in types torch.load(weights_only=True) accepts: NumPy's
+    global generator's as its name, its key (a torch int64 tensor, not a NumPy array) and plain numbers."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": {"kind": str(kind), "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state):
+    """The states rng_state() returned put back; a checkpoint written before NumPy's was saved leaves it as it
+    is (seeded by --seed)."""
     torch.set_rng_state(state["torch"])
     random.setstate(tuple(state["python"]))
+    if "numpy" in state:
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -119,6 +140,17 @@ def newest_intact(directory):
     return None, passed_over
 
 
+def unfinished_saves(directory):
+    """[(the checkpoint a killed writer was saving, the temporary file it left)] in `directory`, by name: the files
+    (never links) LEFT_BEHIND matches, which the next Checkpointer removes."""
+    if not os.path.isdir(directory):
+        return []
+    return [(os.path.join(directory, name.split(".tmp.")[0]), os.path.join(directory, name))
+            for name in sorted(os.listdir(directory))
+            if LEFT_BEHIND.fullmatch(name) and os.path.isfile(os.path.join(directory, name))
+            and not os.path.islink(os.path.join(directory, name))]
+
+
 def snapshot(obj, copy=True):
     """A checkpoint's contents as torch saves them: the containers rebuilt as plain dicts, lists and tuples (what
     torch.load(weights_only=True) reads back) and, where `copy`, every tensor copied into host memory (from the
@@ -169,14 +201,18 @@ class Checkpointer:
         checkpoint is written (the epoch's record follows its checkpoint)."""
         if not self.enabled:
             return None
-        return self._submit(lambda data: self._write_epoch(data, epoch, is_best, best_epochs), payload, then)
+        also = [LAST_CHECKPOINT, *([BEST_CHECKPOINT] if is_best else []),
+                *([f"best_epoch_{epoch:04d}.pt"] if epoch in best_epochs else [])]
+        return self._submit(lambda data: self._write_epoch(data, epoch, is_best, best_epochs), payload, then,
+                            f"checkpoint epoch {epoch}", f"epoch_{epoch:04d}.pt", also)
 
-    def save_step(self, payload, step, then=None):
+    def save_step(self, payload, step, then=None, what=None):
         """Write a checkpoint taken within an epoch, after optimizer step `step` of the run, as step_NNNNNNNN.pt and
-        last.pt; the older step file goes."""
+        last.pt; the older step file goes. `what`: how its lines name it (where in the epoch it was taken)."""
         if not self.enabled:
             return None
-        return self._submit(lambda data: self._write(data, f"step_{step:08d}.pt"), payload, then)
+        return self._submit(lambda data: self._write(data, f"step_{step:08d}.pt"), payload, then,
+                            what or f"checkpoint at step {step}", f"step_{step:08d}.pt", [LAST_CHECKPOINT])
 
     def failure(self):
         """The error of a background write that has failed (None while writing, or if none failed)."""
@@ -201,20 +237,28 @@ class Checkpointer:
             self.writer = None
         self.raise_failure()
 
-    def _submit(self, write, payload, then):
+    def _submit(self, write, payload, then, what, name, also):
+        """write() the payload, here or on the writer's thread (background). Said as `what` ("checkpoint epoch 3"):
+        a background write says where it writes when it starts; either says "saved" with the file's name once it
+        is in place (renamed over its name), with `also`, the names linked to it (last.pt, best.pt)."""
         self.wait()  # one write at a time: the next save waits for the last
         last = os.path.join(self.directory, LAST_CHECKPOINT)
+        path = os.path.join(self.directory, name)
+        saved = f"{what}: saved {path} (and {', '.join(also)})"
         if not self.background:
             write(snapshot(payload, copy=False))
+            log.info("%s", saved)
             if then is not None:
                 then()
             return last
         data = snapshot(payload)
+        log.info("%s: writing %s in the background", what, path)
 
         def run():
             with interrupt.background_write():  # the process ends only once it is written
                 try:
                     write(data)
+                    log.info("%s", saved)
                     if then is not None:
                         then()
                 except CheckpointError as e:

@@ -62,10 +62,13 @@ class RunDir:
     RUN_FILES = (f"{CHECKPOINTS}/{LAST_CHECKPOINT}", "summary.json", "metrics.jsonl")
     REPLACED_ON_OVERWRITE = ("summary.json", "metrics.jsonl", "config.json", "curves.png", TENSORBOARD, CHECKPOINTS,
                              PROFILE, *TRACKING_STORES)
+    # What a run may have written in a directory it made before its first step: removed when it stops then (held()).
+    RUN_OWN = (*REPLACED_ON_OVERWRITE, "evaluation.json")
 
     def __init__(self, root):
         self.root = root
         self.lock = RunLock(root)  # taken by claim(), for one job at a time
+        self.made = []  # the directories claim() made, deepest first, until training starts (held(), training())
         self.config = self.path("config.json")
         self.metrics = self.path("metrics.jsonl")
         self.summary = self.path("summary.json")
@@ -88,14 +91,19 @@ class RunDir:
         """checkpoints/<name>: last.pt, best.pt or epoch_NNNN.pt."""
         return os.path.join(self.checkpoints, name)
 
-    def resolve(self, resume):
+    def resolve(self, resume, training=True):
         """The checkpoint named by --resume: a path, or `auto` for the newest intact checkpoint in checkpoints/
         (last.pt, else the newest whole one beside it, named in one line with why the newer ones were passed over;
-        None when there is none yet, so a job script can always pass --resume auto). A path is taken as given."""
+        None when there is none yet, so a job script can always pass --resume auto). A save its writer never finished
+        (killed mid-write: only its temporary file is there) is named in one line too, with the checkpoint resumed
+        from instead (where `training`: --evaluate reads a checkpoint and removes nothing, and may run beside a
+        job whose save is under way). A path is taken as given."""
         if resume == "auto":
-            from hvd_train.run.checkpoint import newest_intact  # it writes through this module: imported late
+            from hvd_train.run.checkpoint import newest_intact, unfinished_saves  # they write through this module
 
             path, passed_over = newest_intact(self.checkpoints)
+            if training:
+                self.say_unfinished(unfinished_saves(self.checkpoints), path)
             if passed_over:
                 skipped = "; ".join(f"{os.path.relpath(p, self.root)} ({why})" for p, why in passed_over)
                 if path is None:
@@ -108,20 +116,77 @@ class RunDir:
             raise CheckpointError(f"--resume {resume}: no such file")
         return resume
 
+    def say_unfinished(self, unfinished, path):
+        """One line for the saves whose writer was stopped before the rename ([(file it was to become, temporary
+        file left)]): what was not saved, and what --resume auto continues from instead."""
+        if not unfinished:
+            return
+
+        def rel(p):
+            return os.path.relpath(p, self.root)
+
+        what = "; ".join(f"{rel(target)} (its writer stopped before the rename and left {rel(left)}, which this "
+                         f"run removes)" for target, left in unfinished)
+        if path is None:
+            instead = "no checkpoint was saved before it, so the run starts afresh"
+        elif any(target == path for target, _ in unfinished):
+            instead = f"resuming from {rel(path)} as it was before that save"
+        else:
+            instead = f"resuming from {rel(path)} instead"
+        log.warning("--resume auto: a save was not finished: %s; %s", what, instead)
+
     def claim(self, resume, overwrite, local_mlflow=False):
         """Take the directory's lock (a job running in it refuses this one), then decide how this run uses it
         without losing an earlier run; returns the checkpoint to resume from, or None for a fresh start. A
         directory holding a run is continued (--resume), replaced (--overwrite), or refused with the choices named;
         a refused run leaves the lock and a directory it made behind it as they were. local_mlflow: the run logs to
-        the MLflow store in the directory (--mlflow without --mlflow-uri), which is checked first."""
+        the MLflow store in the directory (--mlflow without --mlflow-uri), which is checked first. The directories
+        made here are remembered until training starts: a run stopped before then removes them (held())."""
         made = missing_parents(self.root)  # the lock makes them: a refused run removes them again
         self.lock.acquire()
         try:
-            return self._decide(resume, overwrite, local_mlflow)
+            decided = self._decide(resume, overwrite, local_mlflow)
         except CheckpointError:
             self.lock.release()
             remove_empty(made)
             raise
+        self.made = made
+        return decided
+
+    @contextlib.contextmanager
+    def held(self):
+        """The claimed directory until the block ends, when its lock is released. A run stopped before training
+        started (training() not called: a checkpoint of another model, a refused setting or plug-in found after the
+        claim, a failure, an interruption) leaves no directory it made: the run's own files in it (RUN_OWN) are
+        removed, then each directory it made, deepest first, if nothing else is in it. A directory that existed
+        before is never removed, nor anything in it. (Only the process that claimed the directory made any.)"""
+        try:
+            yield self
+        except BaseException:
+            # The run's own files go while the lock is held (a job that took it next must lose nothing), the
+            # directories it made after (the lock's file is in the root).
+            made, self.made = self.made, []
+            self.remove_own(made)
+            self.lock.release()
+            remove_empty(made)
+            raise
+        self.lock.release()
+        self.made = []
+
+    def training(self):
+        """Training starts: what the run writes from here on is kept whatever becomes of it."""
+        self.made = []
+
+    def remove_own(self, made):
+        """The run's own files (RUN_OWN), where this run made the directory (`made`)."""
+        if os.path.abspath(self.root) not in made:
+            return  # the directory existed before: nothing in it is this function's to remove
+        for name in self.RUN_OWN:
+            path = self.path(name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.lexists(path):
+                os.remove(path)
 
     def _decide(self, resume, overwrite, local_mlflow):
         found = [f for f in self.RUN_FILES if os.path.exists(self.path(f))]
@@ -352,10 +417,21 @@ def temporary_beside(path):
     """(open file descriptor, name) of a new file beside `path` with an unpredictable name, created exclusively
     (never through a link someone planted), with the mode the umask gives new files."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=os.path.basename(path) + ".tmp.")
+    os.fchmod(fd, run_file_mode())
+    return fd, tmp
+
+
+def run_file_mode():
+    """The mode of the files a run writes: what the umask gives a new file (0640 under keep_private)."""
     umask = os.umask(0)
     os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
-    return fd, tmp
+    return 0o666 & ~umask
+
+
+def with_run_mode(path):
+    """Give the file at `path`, written by a library that chose its own mode (safetensors writes 0600), the mode
+    of the run's other files."""
+    os.chmod(path, run_file_mode())
 
 
 def atomic_write(path, write, binary=False, sync=False, root=None):

@@ -15,6 +15,7 @@ import psutil
 import hvd_utils
 from hvd_train.run.directory import append_line, atomic_write, no_link_below, reported_write, write_json
 from hvd_train.schedule import batching
+from hvd_train.uris import redact_text
 
 log = logging.getLogger("hvd_train")
 
@@ -22,10 +23,12 @@ log = logging.getLogger("hvd_train")
 class Reporter:
     """resumed_history: the records of the checkpoint a run resumes from. metrics.jsonl is rewritten to hold
     exactly those (records of epochs after the checkpoint were lost with the run that wrote them, and are trained
-    again), and TensorBoard hides its points after that epoch (purge_step), so each epoch has one record."""
+    again), and TensorBoard hides its points after that epoch (purge_step), so each epoch has one record.
+    hidden: the record keys of the task's helpers, which only metrics.jsonl shows (RunTask.hidden)."""
 
-    def __init__(self, run_dir, enabled, tensorboard=True, resumed_history=None):
+    def __init__(self, run_dir, enabled, tensorboard=True, resumed_history=None, hidden=frozenset()):
         self.dir, self.enabled, self.tensorboard, self.writer = run_dir, False, tensorboard, None
+        self.hidden = frozenset(hidden)
         self.jsonl = self.dir.metrics
         self.purge_step, self.trackers = None, []
         if enabled and resumed_history:
@@ -62,12 +65,13 @@ class Reporter:
         """`committed`: the checkpoint that holds this epoch is written (trackers send committed records only)."""
         if not self.enabled:
             return
+        figures = visible(record, self.hidden)
         for tracker in self.trackers:
-            tracker.epoch(record, committed)
+            tracker.epoch(figures, committed)
         with reported_write(self.jsonl):
             append_line(self.jsonl, _line(record), root=self.dir.root)
         if self.writer is not None:
-            for key, value in record.items():
+            for key, value in figures.items():
                 if key != "epoch" and isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(key.replace("_", "/", 1), value, record["epoch"])
             self.writer.flush()
@@ -77,6 +81,7 @@ class Reporter:
         curves.png; returns its path."""
         if not self.enabled or not history:
             return None
+        history = [visible(r, self.hidden) for r in history]
         path = self.dir.curves
         import matplotlib
 
@@ -118,6 +123,12 @@ def _line(record):
     return json.dumps(record, sort_keys=True) + "\n"
 
 
+def visible(record, hidden):
+    """A record without the task's helpers (`hidden`, their record keys) and without the metrics that are tensors
+    (lists in the record): what the epoch line, the summary, the curves and the trackers show."""
+    return {k: v for k, v in record.items() if k not in hidden and not isinstance(v, list)}
+
+
 def seconds_since_start():
     """Seconds since this process started (imports and Horovod start-up included): what a user waits for."""
     return time.time() - psutil.Process().create_time()
@@ -131,8 +142,10 @@ def peak_rss_bytes():
 
 
 def build_summary(cfg, rt, task, state, lr, fingerprints, run_dir):
-    """The run's headline figures and its full history, for summary.json."""
-    history, last = state.history, state.history[-1]
+    """The run's headline figures and its full history (without the task's helpers: metrics.jsonl has them), for
+    summary.json."""
+    history = [visible(r, task.hidden()) for r in state.history]
+    last = history[-1]
     summary = {
         "config_name": cfg.run.name or "default", "world_size": rt.size, "local_size": rt.local_size,
         "device": str(rt.device), "controller": rt.controller, "tensor_ops": rt.tensor_ops,
@@ -182,7 +195,8 @@ def log_setup(cfg, rt, info, trainer, resumed_epoch):
                                                      ("the cycle time", "HOROVOD_CYCLE_TIME"))
                               if var not in os.environ) or "nothing (both are fixed in the environment)",
                  f"; its log: {os.environ['HOROVOD_AUTOTUNE_LOG']}" if os.environ.get("HOROVOD_AUTOTUNE_LOG") else "")
-    log.info("data %s: %d train / %d val samples%s; model %s (task %s, %.2fM parameters)", cfg.data.dataset,
+    log.info("data %s: %d train / %d val samples%s; model %s (task %s, %.2fM parameters)",
+             describe_call(cfg.data.dataset, info.called_with),
              info.num_train, info.num_val, describe_samples(info), cfg.model.name, trainer.task.name,
              sum(p.numel() for p in trainer.model.parameters()) / 1e6)
     log.info("batch %d per rank x %d ranks x %d per allreduce = %d global; lr %g base x %g = %g, %s schedule, "
@@ -219,6 +233,34 @@ def log_rescale(cfg, resumed, steps_per_epoch):
     log.info("resuming on %d rank(s) a run checkpointed on %d: learning rate %g -> %g, global batch %d -> %d (both "
              "follow the ranks); the schedule goes on by epochs from epoch %d/%d, now of %d steps", new, old, before.lr,
              now.lr, before.global_batch, now.global_batch, resumed["epoch"] + 1, cfg.optim.epochs, steps_per_epoch)
+
+
+SHORT_REPR = 80  # characters of a list's, a tuple's or a dict's repr that the data line shows; longer: its length
+
+
+def describe_call(name, kwargs):
+    """'mydata:sets(seed=42, image_size=64)': factory `name` with the keyword arguments the run passed it, on one
+    line, URIs redacted; just the name where they are not known (None). Numbers, strings (whole: a path is worth
+    reading), None and short containers of them as repr shows them; tensors and other objects by their type."""
+    if kwargs is None:
+        return name
+    return redact_text(f"{name}({', '.join(f'{key}={_shown_argument(value)}' for key, value in kwargs.items())})")
+
+
+def _shown_argument(value):
+    if value is None or isinstance(value, (bool, str)):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(int(value))
+    if isinstance(value, float):
+        return repr(float(value))
+    if isinstance(value, (list, tuple, dict)):
+        items = list(value.keys()) + list(value.values()) if isinstance(value, dict) else list(value)
+        shown = repr(value)
+        if all(v is None or isinstance(v, (bool, int, float, str)) for v in items) and len(shown) <= SHORT_REPR:
+            return shown
+        return f"<{type(value).__name__} of {len(value)}>"
+    return f"<{type(value).__name__}>"
 
 
 def describe_samples(info):

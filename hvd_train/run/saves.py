@@ -9,17 +9,17 @@ Every rank must take such a checkpoint at the same step. A step count is the sam
 reached some ranks, or rank 0's background writer failing are not, so each step every rank votes (hvd_utils.StepVote:
 an asynchronous allreduce, read one step later) and all act on the same sums at the same step.
 """
-import logging
 import signal
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 import hvd_utils
 from hvd_train.engine import check_finite
 from hvd_train.guards import interrupt
 from hvd_train.schedule import batching
 
-log = logging.getLogger("hvd_train")
 SAVE, SIGTERM, SIGUSR1, TIME_LIMIT, FAILED = range(5)  # what each rank raises in the step vote
 
 
@@ -83,15 +83,17 @@ class StepSaves:
         position = {"epoch": epoch, "steps": step, "world_size": hvd_utils.world_size(),
                     "samples_per_rank": step * batching(cfg, 1).per_rank, "workers": cfg.data.workers,
                     "seconds": time.perf_counter() - state.epoch_began,
-                    "sums": hvd_utils.gather_objects({k: float(v) for k, v in sums.items()}, "step_sums")}
+                    "sums": hvd_utils.gather_objects({k: torch.as_tensor(v).tolist() for k, v in sums.items()},
+                                                     "step_sums")}  # numbers, and lists for a tensor's sums
         payload = self.after_epoch.payload(partial=position)
+        # Said by the checkpointer: where it writes (in the background) and, once the file is in place, "saved".
+        what = f"checkpoint within epoch {epoch}, after step {step} of {steps} (step {state.step} of the run)"
         with interrupt.protected():
-            hvd_utils.decide_on_root(lambda: self.checkpointer.save_step(payload, state.step), "step_checkpoint")
+            hvd_utils.decide_on_root(lambda: self.checkpointer.save_step(payload, state.step, what=what),
+                                     "step_checkpoint")
         state.saved_step(position)
         self.last = time.monotonic()
         self.times.seconds.append(time.perf_counter() - began)
-        log.info("checkpoint within epoch %d, after step %d of %d (step %d of the run): %s", epoch, step, steps,
-                 state.step, self.after_epoch.out.run_dir.last_checkpoint)
 
     def close(self):
         """The loop has ended: the vote in flight is collected (every rank sent it)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import psutil
+import torch
 
 import hvd_utils
 from hvd_train.guards import interrupt
@@ -97,7 +98,8 @@ class RunState:
             return p["steps"], dict(p["sums"][rank])
         if rank != 0:
             return p["steps"], {}
-        return p["steps"], {key: sum(s.get(key, 0.0) for s in p["sums"]) for key in p["sums"][0]}
+        return p["steps"], {key: sum(torch.as_tensor(s.get(key, 0.0), dtype=torch.float64) for s in p["sums"])
+                            for key in p["sums"][0]}
 
     def carried_seconds(self, epoch):
         """Seconds spent on the steps of `epoch` that a checkpoint taken within it holds (0 for a fresh epoch)."""
@@ -293,7 +295,8 @@ def outputs_for(cfg, info, task, is_main, state=None, run_dir=None):
     return Outputs(run_dir, Checkpointer(run_dir.checkpoints, cfg.checkpoint.keep_last, enabled=is_main,
                                          background=cfg.checkpoint.background),
                    Reporter(run_dir, is_main, cfg.logging.tensorboard,
-                            resumed_history=state.history if state is not None and state.saved_epoch else None),
+                            resumed_history=state.history if state is not None and state.saved_epoch else None,
+                            hidden=task.hidden()),
                    checkpoint_fits(cfg, info, task), card_for(cfg, info, task).to_dict())
 
 

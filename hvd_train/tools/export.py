@@ -31,7 +31,7 @@ from hvd_train.gate import settings
 from hvd_train.feed import Feed, image_figures
 from hvd_train.tools.inference import (FORMATS, SIDECAR, ModelInputs, export_runner, find_checkpoint, load_trained,
                                        outputs)
-from hvd_train.run.directory import RunDir, no_link_below, temporary_beside, write_json
+from hvd_train.run.directory import RunDir, no_link_below, temporary_beside, with_run_mode, write_json
 from hvd_train.trust import TRUST_FLAG, refuse_code_from
 from hvd_train.uris import redact_all
 
@@ -375,6 +375,7 @@ def export(args):
                 "inputs_by": "name" if batch.inputs.keywords else "position",
                 "parity": {"samples": batch.inputs.count, "max_abs_diff": worst, "atol": atol, "rtol": rtol,
                            "top1_agree": agree, "on": batch.described}}
+        with_run_mode(tmp)  # the writers above chose their own (safetensors: 0600): the run's files' mode instead
         os.replace(tmp, out)
         write_json(out + SIDECAR, meta)
     finally:

@@ -461,6 +461,29 @@ def patches(cxx_standard):
          "\n\nif __name__ == '__main__':\n",
          "after a rank's one-line error (exit 2), horovodrun --gloo printed a 20-line Python traceback of its own "
          "and exited 1; it now says which rank ended the job and exits with that rank's code"),
+        ("horovod/runner/launch.py",
+         "    if _is_elastic(args):\n        return _run_elastic(args)\n    else:\n        return _run_static(args)\n",
+         "    # hvd-train: a host that does not resolve is one line naming it, before ssh is tried on each host.\n"
+         "    if args.hosts:\n"
+         "        import socket\n"
+         "        for name in hosts.parse_hosts_and_slots(args.hosts)[0]:\n"
+         "            try:\n"
+         "                socket.getaddrinfo(name, None)\n"
+         "            except socket.gaierror as e:\n"
+         "                given = f'the hostfile {args.hostfile}' if args.hostfile and not args.hosts_given else '-H'\n"
+         "                sys.stderr.write(f'horovodrun: host {name!r} (in {given}) does not resolve "
+         "({e.strerror}); '\n"
+         "                                 f'check its spelling, or add it to /etc/hosts or DNS on this machine\\n')\n"
+         "                sys.exit(2)\n"
+         "\n"
+         "    if _is_elastic(args):\n        return _run_elastic(args)\n    else:\n        return _run_static(args)\n",
+         "a host in -H or a hostfile that does not resolve ended horovodrun in its own traceback ('could not "
+         "connect to some hosts via ssh', not naming the host); it is now one line naming it, exit 2"),
+        ("horovod/runner/launch.py",
+         "    if not args.hosts and not args.host_discovery_script:\n        if args.hostfile:\n",
+         "    args.hosts_given = bool(args.hosts)\n"
+         "    if not args.hosts and not args.host_discovery_script:\n        if args.hostfile:\n",
+         "records whether -H named the hosts, for the line above"),
     ] + bfloat16_patches() + shm_allreduce_patches() + unity_build_patches()
 
 

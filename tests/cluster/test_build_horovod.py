@@ -106,7 +106,11 @@ def fake_sdist(root):
           "        opt='genv' if impi_or_mpich else 'x',\n        nics=','.join(nics)) if nics else ''\n"
           "    else:\n        os.execve('/bin/sh', ['/bin/sh', '-c', mpirun_command], env)\n")
     write(root / "horovod/runner/launch.py",
-          "import sys\n\n\ndef run_commandline():\n    args = parse_args()\n\n    _run(args)\n\n\n"
+          "import sys\n\n\ndef _run(args):\n"
+          "    if not args.hosts and not args.host_discovery_script:\n        if args.hostfile:\n"
+          "            args.hosts = hosts.parse_host_files(args.hostfile)\n\n"
+          "    if _is_elastic(args):\n        return _run_elastic(args)\n    else:\n        return _run_static(args)\n"
+          "\n\ndef run_commandline():\n    args = parse_args()\n\n    _run(args)\n\n\n"
           "if __name__ == '__main__':\n    run_commandline()\n")
     write(root / "horovod/runner/common/util/safe_shell_exec.py",
           "GRACEFUL_TERMINATION_TIME_S = 5\n\n\n"

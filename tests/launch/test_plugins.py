@@ -1,6 +1,7 @@
 """Your model, your data, your task: plug-ins by import path, timm's models by name, and the examples/ projects
 trained as their READMEs say, with real 2-rank launches."""
 import inspect
+import json
 import math
 import sys
 import textwrap
@@ -93,6 +94,33 @@ class NoBest:
 
 class WrongBest(NoBest):
     best_metric, best_mode = "val_iou", "max"
+
+
+class Hits:
+    """Classification of the blobs with a metric of one's own, in the forms a user gets wrong (per_sample)."""
+    metrics = ("hits",)
+    best_metric, best_mode = "val_loss", "min"
+
+    def __init__(self, form="per_sample"):
+        self.form = form
+
+    def loss(self, model, batch):
+        logits = model(batch[0])
+        return {"loss": torch.nn.functional.cross_entropy(logits, batch[1])}, logits
+
+    def metric_sums(self, logits, batch):
+        hits = (logits.argmax(dim=1) == batch[1]).double()
+        return {"hits": {"per_sample": hits, "list": hits.tolist()}[self.form]}
+
+
+class Ratio(Hits):
+    derived = ("misses_per_hit",)
+
+    def metric_sums(self, logits, batch):
+        return {"hits": torch.zeros(())}
+
+    def derive(self, means):
+        return {"misses_per_hit": (1 - torch.tensor(means["hits"])) / means["hits"]}
 '''
 
 
@@ -124,12 +152,20 @@ def project(tmp_path, monkeypatch):
     (["--task", "plugs:NoBest"], ["--task plugs:NoBest", "declares no best_metric", "val_loss"]),
     (["--task", "plugs:WrongBest"], ["best_metric 'val_iou' is not a metric it reports", "val_loss, train_loss"]),
     (["--task", "plugs:NoBest", "--task-args", "weight=2"], ["takes no argument 'weight'"]),
+    # Metric sums that cannot be added over batches and ranks, and a derived figure that is not finite, are refused
+    # before training, from one training sample and from two (not after an epoch, in a stack error).
+    (["--task", "plugs:Hits", "--dataset", "plugs:blobs", "--model", "plugs:mlp"],
+     ["--task plugs:Hits", "'hits' has shape [2] on one batch and [1] on another", ".sum(dim=0)"]),
+    (["--task", "plugs:Hits", "--task-args", "form=list", "--dataset", "plugs:blobs", "--model", "plugs:mlp"],
+     ["'hits' is a list", "return a tensor (of any fixed shape) or a number"]),
+    (["--task", "plugs:Ratio", "--dataset", "plugs:blobs", "--model", "plugs:mlp"],
+     ["derive() gave misses_per_hit=inf on one training sample", "must be finite"]),
 ])
 def test_a_bad_plugin_gets_one_message_before_training(project, app, args, needles):
     result = app("--output-dir", project / "run", *args)
     assert_refused(result, *needles)
     assert "epoch 1/" not in result.stdout
-    assert not (project / "run" / "checkpoints").exists()
+    assert not (project / "run").exists(), "a refused plug-in left a new output folder behind"
 
 
 def test_a_users_model_and_data_set_train_with_the_facts_they_name(project, app):
@@ -137,7 +173,9 @@ def test_a_users_model_and_data_set_train_with_the_facts_they_name(project, app)
     result = app("--output-dir", project / "run", "--dataset", "plugs:blobs", "--data-args", "count=120",
                  "--model", "plugs:mlp", "--epochs", "2", "--batch-size", "8")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "96 train / 24 val samples (num_classes 3, features 2)" in result.stdout
+    # The factory's call as the app made it, --seed's default and --data-args by name.
+    assert "data plugs:blobs(data_dir='datasets', seed=42, count=120): 96 train / 24 val samples (num_classes 3, " \
+           "features 2)" in result.stdout, result.stdout
     summary = read_json(project / "run" / "summary.json")
     assert summary["model"] == "plugs:mlp" and summary["dataset"] == "plugs:blobs"
     assert summary["task"] == "classification" and summary["history"][-1]["val_count"] == 24
@@ -205,17 +243,50 @@ def resume_matches_straight(launcher, folder, recipe, tmp_path, *args):
 
 @pytest.mark.distributed
 def test_the_segmentation_example_trains_its_two_losses_and_resumes_exactly(tmp_path):
-    summary = resume_matches_straight("horovodrun-gloo", EXAMPLES / "shapes_segmentation", "shapes.yaml", tmp_path)
+    # 127 validation samples: 64 on one rank, 63 on the other.
+    summary = resume_matches_straight("horovodrun-gloo", EXAMPLES / "shapes_segmentation", "shapes.yaml", tmp_path,
+                                      "--data-args", "image_size=32,num_train=512,num_val=127", "--seed", "7")
     history = summary["history"]
     for record in history:
-        for key in ("loss", "mask", "box", "iou", "box_iou"):
+        for key in ("loss", "mask", "box", "miou", "box_iou"):
             assert math.isfinite(record[f"train_{key}"]) and math.isfinite(record[f"val_{key}"]), (key, record)
         assert record["train_loss"] == pytest.approx(record["train_mask"] + record["train_box"], rel=1e-6)
-        assert record["val_count"] == 128 and record["train_count"] == 512
+        assert record["val_count"] == 127 and record["train_count"] == 512
+        assert "val_confusion" not in record  # a helper: in metrics.jsonl only
     assert history[-1]["val_loss"] < history[0]["val_loss"]
-    assert summary["task"] == "shapes:FindTheRectangle" and summary["best_metric"] == "val_iou"
-    assert summary["best_value"] == max(h["val_iou"] for h in history)
-    assert set(summary["final_val"]) == {"loss", "mask", "box", "iou", "box_iou"}
+    assert summary["task"] == "shapes:FindTheRectangle" and summary["best_metric"] == "val_miou"
+    assert summary["best_value"] == max(h["val_miou"] for h in history)
+    assert set(summary["final_val"]) == {"loss", "mask", "box", "miou", "box_iou"}
+    # The mIoU the two ranks reported from their summed confusion matrices is the one a single process computes
+    # over the same validation set with the same weights.
+    last = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()][-1]
+    confusion, miou = one_process_miou(tmp_path / "straight", num_val=127, seed=7)
+    assert torch.equal(torch.tensor(last["val_confusion"], dtype=torch.float64) * 127, confusion)
+    assert abs(last["val_miou"] - miou) <= 1e-9
+    assert last["val_miou"] == history[-1]["val_miou"]
+
+
+def one_process_miou(run, num_val, seed):
+    """(pixel confusion matrix, mIoU) of the segmentation example over its whole validation set, in this process,
+    with the weights of `run`'s last checkpoint."""
+    sys.path.insert(0, str(EXAMPLES / "shapes_segmentation"))
+    try:
+        import shapes
+
+        _, val, facts = shapes.datasets(image_size=32, num_train=512, num_val=num_val, seed=seed)
+        model = shapes.model(facts["in_channels"], facts["image_size"])
+        model.load_state_dict(torch.load(run / "checkpoints" / "last.pt", weights_only=True)["model"])
+        model.eval()
+        confusion = torch.zeros(2, 2, dtype=torch.float64)
+        with torch.no_grad():
+            for start in range(0, len(val), 32):
+                batch = torch.utils.data.default_collate([val[i] for i in range(start, min(start + 32, len(val)))])
+                predicted, truth = (model(batch["image"])["mask"] > 0).long(), (batch["mask"] > 0.5).long()
+                confusion += shapes.confusion_matrix(predicted, truth, 2)
+        return confusion, float(shapes.mean_iou(confusion))
+    finally:
+        sys.path.remove(str(EXAMPLES / "shapes_segmentation"))
+        sys.modules.pop("shapes", None)
 
 
 @pytest.mark.distributed

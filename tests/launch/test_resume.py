@@ -214,11 +214,24 @@ def test_resume_auto_starts_afresh_where_there_is_nothing_to_resume(tmp_path, ap
     assert result.returncode == 0 and "no checkpoint in" in result.stdout and (tmp_path / "summary.json").exists()
 
 
-def test_a_checkpoint_of_another_model_is_refused_with_the_mismatch_named(tmp_path, app):
-    assert app("--output-dir", tmp_path / "a", "--epochs", "1").returncode == 0
-    assert_refused(app("--output-dir", tmp_path / "b", "--model", "resnet18", "--resume",
-                       tmp_path / "a" / "checkpoints" / "last.pt"),
+def test_a_checkpoint_of_another_model_is_refused_with_the_mismatch_named_leaving_no_new_folder(tmp_path, app):
+    result = app("--output-dir", tmp_path / "a", "--epochs", "1")
+    assert result.returncode == 0
+    # A background save says where it writes, then the file's name once it is in place.
+    said = [line for line in result.stdout.splitlines() if line.startswith("checkpoint epoch 1:")]
+    assert said == [f"checkpoint epoch 1: writing {tmp_path / 'a' / 'checkpoints' / 'epoch_0001.pt'} in the "
+                    f"background", f"checkpoint epoch 1: saved {tmp_path / 'a' / 'checkpoints' / 'epoch_0001.pt'} "
+                    f"(and last.pt, best.pt)"], result.stdout
+    other_model = ["--model", "resnet18", "--resume", tmp_path / "a" / "checkpoints" / "last.pt"]
+    # Refused after the claim made the directory (and its parent): neither is left.
+    assert_refused(app("--output-dir", tmp_path / "new" / "b", *other_model),
                    "model_name='small_cnn', this run has model_name='resnet18'")
+    assert not (tmp_path / "new").exists()
+    # A directory that was there stays, as it was.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    assert_refused(app("--output-dir", tmp_path / "mine", *other_model), "this run has model_name='resnet18'")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
 
 def test_a_corrupt_checkpoint_is_named(tmp_path, app):
@@ -250,6 +263,21 @@ def test_resume_auto_passes_over_a_damaged_last_checkpoint_names_it_and_resume_p
                    "not a checkpoint, or one cut short")
 
 
+def test_resume_auto_past_a_save_its_writer_never_finished_says_so_in_one_line(tmp_path, app):
+    # A writer killed inside epoch 2's background save leaves only its temporary file; last.pt is epoch 1's.
+    run = tmp_path / "run"
+    assert app("--output-dir", run, "--epochs", "1").returncode == 0
+    (run / "checkpoints" / "epoch_0002.pt.tmp.k2j4x9q0").write_bytes(b"half a checkpoint")
+    result = app("--output-dir", run, "--epochs", "2", "--resume", "auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in (result.stdout + result.stderr).splitlines() if "not finished" in line]
+    assert said == ["--resume auto: a save was not finished: checkpoints/epoch_0002.pt (its writer stopped before "
+                    "the rename and left checkpoints/epoch_0002.pt.tmp.k2j4x9q0, which this run removes); resuming "
+                    "from checkpoints/last.pt instead"], result.stdout
+    assert "resuming after epoch 1" in result.stdout and epochs_in(run) == [1, 2]
+    assert not [p for p in (run / "checkpoints").iterdir() if ".tmp." in p.name]
+
+
 def test_resume_auto_with_no_whole_checkpoint_is_refused_naming_each(tmp_path, app):
     run = tmp_path / "run"
     assert app("--output-dir", run, "--epochs", "1").returncode == 0
@@ -271,7 +299,9 @@ def test_checkpoints_every_few_minutes_follow_rank_0_s_clock(tmp_path, app, monk
     summary = read_json(tmp_path / "summary.json")
     within = summary["checkpoints_within_epochs"]
     assert within["count"] >= 2 and within["background"] and summary["last_checkpoint"]["end_of_epoch"]
-    assert result.stdout.count("checkpoint within epoch 1, after step") == within["count"]
+    saved = [line for line in result.stdout.splitlines() if line.startswith("checkpoint within epoch 1, after step")
+             and ": saved " in line]
+    assert len(saved) == within["count"], result.stdout
 
 
 def test_checkpoints_within_epochs_change_nothing_of_the_training(tmp_path, app):

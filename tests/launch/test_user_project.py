@@ -130,7 +130,7 @@ def test_a_users_data_set_of_dict_samples_becomes_shards_and_trains_from_them(tm
                  "shapes:FindTheRectangle", "--epochs", "1", "--batch-size", "16", "--output-dir", tmp_path / "run")
     assert result.returncode == 0, result.stdout + result.stderr
     record = read_json(tmp_path / "run" / "summary.json")["history"][0]
-    assert record["val_count"] == 32 and np.isfinite(record["val_iou"])
+    assert record["val_count"] == 32 and np.isfinite(record["val_miou"])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -289,6 +289,6 @@ def test_a_shard_server_that_is_down_is_named(tmp_path, app):
     result = app("--dataset", "shards", "--data.shard_index", tmp_path / "index.json", "--data.train_shards",
                  f"http://127.0.0.1:{port}/train-000000.tar", "--data.val_shards",
                  f"http://127.0.0.1:{port}/val-000000.tar", "--epochs", "1", "--output-dir", tmp_path / "run")
-    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.returncode == 5, result.stdout + result.stderr
     assert f"the server 127.0.0.1:{port} does not answer" in result.stderr, result.stderr
     assert "(empty file)" not in result.stderr

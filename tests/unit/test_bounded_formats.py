@@ -181,7 +181,7 @@ def test_tar_shard_members_are_bounded_before_they_are_read(tmp_path, digits_sha
         assert os.path.getsize(shards / "train-000002.tar") < 2 * MiB
         code, output, peak = peak_of_command(train_command(shards, tmp_path, f"run-{n}"), tmp_path)
         assert peak < benign + ALLOWANCE, (kind, peak, benign, output[-2000:])  # refused or not, within the bound
-        line = assert_refused(AppResult(code, output, ""), f"shard {shards}/train-000002.tar:")
+        line = assert_refused(AppResult(code, output, ""), f"shard {shards}/train-000002.tar:", code=5)
         if kind == "gzip'ed long name":
             assert "headers (pax records, long names) take more than 1,048,576 bytes" in line, line
         else:
@@ -193,7 +193,8 @@ def test_tar_shard_members_are_bounded_before_they_are_read(tmp_path, digits_sha
 def test_the_member_bound_is_the_environments_and_the_refusal_redacts_the_url(tmp_path, digits_shards, app):
     result = app("--output-dir", tmp_path / "out", "--epochs", "1", *shard_flags(digits_shards),
                  env={"HVD_MAX_SHARD_MEMBER_BYTES": "16"})
-    line = assert_refused(result, "more than the 16 one file of a shard may take", "HVD_MAX_SHARD_MEMBER_BYTES")
+    line = assert_refused(result, "more than the 16 one file of a shard may take", "HVD_MAX_SHARD_MEMBER_BYTES",
+                          code=5)
     assert f"shard {digits_shards}/train-" in line, line
     from hvd_train.data.errors import BadSampleError
     from hvd_train.data.shards import tar_files
@@ -349,4 +350,4 @@ def test_a_shard_sample_whose_class_is_out_of_range_is_one_line(tmp_path, digits
     shards = shard_copy(digits_shards, tmp_path)
     relabelled(digits_shards / "train-000001.tar", shards / "train-000001.tar", label)
     result = app("--output-dir", tmp_path / "out", "--epochs", "1", *shard_flags(shards))
-    assert_refused(result, f"shard {shards}/train-000001.tar: sample ", *needles)
+    assert_refused(result, f"shard {shards}/train-000001.tar: sample ", *needles, code=5)

@@ -1,6 +1,8 @@
 """Checkpoints and the output directory: what is kept, what is refused unread, how a used directory is
 continued, replaced or refused."""
+import logging
 import os
+import re
 
 import pytest
 import torch
@@ -39,6 +41,34 @@ def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     torch.manual_seed(99)
     checkpoint.set_rng_state(checkpoint.load(str(tmp_path / "c.pt"))["rng"][0])
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_every_generator_is_seeded_and_its_state_saved_and_put_back_numpy_s_too(tmp_path):
+    import random
+
+    import numpy as np
+
+    checkpoint.seed_generators(7)
+    np.random.randn()  # a cached Gaussian: part of NumPy's state
+    state = checkpoint.rng_state()
+    expected = (torch.rand(2), random.random(), np.random.rand(3), np.random.randn())
+    checkpoint.atomic_save({"version": checkpoint.VERSION, "rng": [state]}, str(tmp_path / "c.pt"))
+    checkpoint.seed_generators(8)
+    assert random.random() != expected[1]
+    saved = checkpoint.load(str(tmp_path / "c.pt"))["rng"][0]  # weights_only, through the gate
+    assert torch.is_tensor(saved["numpy"]["key"]) and saved["numpy"]["key"].dtype == torch.int64
+    checkpoint.set_rng_state(saved)
+    drawn = (torch.rand(2), random.random(), np.random.rand(3), np.random.randn())
+    assert torch.equal(drawn[0], expected[0]) and drawn[1] == expected[1]
+    assert np.array_equal(drawn[2], expected[2]) and drawn[3] == expected[3]
+
+    # A checkpoint written before NumPy's state was saved still loads: NumPy's generator stays as it is.
+    older = {k: v for k, v in state.items() if k != "numpy"}
+    checkpoint.atomic_save({"version": checkpoint.VERSION, "rng": [older]}, str(tmp_path / "old.pt"))
+    checkpoint.seed_generators(8)
+    numpy_before = np.random.get_state()[1].copy()
+    checkpoint.set_rng_state(checkpoint.load(str(tmp_path / "old.pt"))["rng"][0])
+    assert torch.equal(torch.rand(2), expected[0]) and np.array_equal(np.random.get_state()[1], numpy_before)
 
 
 class _RunsCode:
@@ -98,6 +128,56 @@ def test_resume_auto_refuses_a_run_without_a_checkpoint(tmp_path):
     (tmp_path / "summary.json").write_text("{}")
     with pytest.raises(CheckpointError, match="no checkpoints/last.pt to continue from"):
         RunDir(str(tmp_path)).claim("auto", overwrite=False)
+
+
+class SavedLines(logging.Handler):
+    """Each message of the app's log, with whether the checkpoint it names is in place as it is said."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        named = re.search(r"(\S+\.pt)\b", message)
+        self.lines.append((message, bool(named) and os.path.isfile(named.group(1))))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_save_says_where_it_writes_and_saved_only_once_the_file_is_in_place(tmp_path, background):
+    said = SavedLines()
+    logger = logging.getLogger("hvd_train")
+    logger.addHandler(said)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        saver = checkpoint.Checkpointer(str(tmp_path), background=background)
+        saver.save(payload(3), 3, is_best=True)
+        saver.wait()
+        saver.save_step(payload(4), 120)
+        saver.wait()
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+    epoch, step = tmp_path / "epoch_0003.pt", tmp_path / "step_00000120.pt"
+    saved = [(f"checkpoint epoch 3: saved {epoch} (and last.pt, best.pt)", True),
+             (f"checkpoint at step 120: saved {step} (and last.pt)", True)]
+    if background:  # said as the write starts (the file not there yet), then once it is renamed into place
+        saved = [(f"checkpoint epoch 3: writing {epoch} in the background", False), saved[0],
+                 (f"checkpoint at step 120: writing {step} in the background", False), saved[1]]
+    assert said.lines == saved
+
+
+def test_resume_auto_names_a_save_its_writer_never_finished_and_what_it_resumes_from(tmp_path, caplog):
+    run_dir = RunDir(str(tmp_path))
+    checkpoint.Checkpointer(run_dir.checkpoints).save(payload(1), 1, is_best=False)
+    (tmp_path / "checkpoints" / "epoch_0002.pt.tmp.k2j4x9q0").write_bytes(b"half a checkpoint")
+    with caplog.at_level(logging.WARNING, logger="hvd_train"):
+        assert run_dir.resolve("auto") == run_dir.last_checkpoint
+    assert [r.getMessage() for r in caplog.records] == [
+        "--resume auto: a save was not finished: checkpoints/epoch_0002.pt (its writer stopped before the rename "
+        "and left checkpoints/epoch_0002.pt.tmp.k2j4x9q0, which this run removes); resuming from "
+        "checkpoints/last.pt instead"]
 
 
 def test_a_killed_writer_leaves_only_temporary_files_that_the_next_run_removes(tmp_path):

@@ -82,6 +82,17 @@ def test_training_shards_are_disjoint_and_reshuffled_each_epoch():
     assert set(shards[0]).isdisjoint(shards[1]) and len(shards[0]) == len(shards[1]) == 50
 
 
+def test_each_ranks_loader_workers_draw_from_seed_plus_rank_and_the_shuffle_from_the_shared_seed():
+    # torch seeds worker w's torch, random and NumPy from a base seed drawn from the loader's generator, plus w.
+    dataset = TensorDataset(torch.arange(20).float().unsqueeze(1), torch.zeros(20, dtype=torch.long))
+    before = torch.get_rng_state()
+    for rank in range(2):
+        train_loader, val_loader, sampler = build_loaders(dataset, dataset, LoaderSpec(4, seed=3, workers=1), rank, 2)
+        assert train_loader.generator.initial_seed() == val_loader.generator.initial_seed() == 3 + rank
+        assert sampler.seed == train_loader.batch_sampler.seed == 3
+    assert torch.equal(torch.get_rng_state(), before)  # the training process's own stream (dropout) untouched
+
+
 def test_the_last_incomplete_training_batch_is_dropped_unless_asked_to_keep_it():
     # 25 samples on 2 ranks: 13 each (the sampler pads), 3 batches of 4 and one of 1 that a step would take alone.
     dataset = TensorDataset(torch.arange(25).float().unsqueeze(1), torch.zeros(25, dtype=torch.long))
@@ -165,6 +176,18 @@ def test_digits_split_sizes_and_shapes():
     train, val, info = build_datasets(DataConfig())
     assert (info.in_channels, info.num_classes, info.image_size) == (1, 10, 8)
     assert len(train) == info.num_train == 1438 and len(val) == info.num_val == 359
+
+
+def test_a_data_set_records_the_arguments_its_factory_was_called_with_never_as_a_fact():
+    from hvd_train.data.augment import Augmentation
+    from hvd_train.run.reporting import describe_call
+
+    augment = Augmentation()
+    _, _, info = build_datasets(DataConfig(image_size=16), 5, augment)
+    assert info.called_with == {"image_size": 16, "augment": augment}  # digits(image_size=8, augment=...)
+    assert describe_call("digits", info.called_with) == "digits(image_size=16, augment=<Augmentation>)"
+    assert "called_with" not in repr(info) and info == build_datasets(DataConfig(image_size=16), 6)[2]
+    assert "augment" not in info.facts()
 
 
 def test_image_size_resizes_samples():
@@ -317,6 +340,15 @@ def test_image_folder_with_and_without_a_val_split(tmp_path):
     train, val, info = build_datasets(DataConfig(dataset="imagefolder", data_dir=str(tmp_path / "tree"),
                                                  image_size=16))
     assert (len(train), len(val), info.num_classes) == (12, 6, 3)
+
+
+def test_train_and_val_with_different_class_folders_are_refused_naming_the_classes_on_each_side(tmp_path):
+    write_image_folder(tmp_path / "train", classes=("cat", "dog", "emu"), per_class=1)
+    write_image_folder(tmp_path / "val", classes=("cat", "owl"), per_class=1)
+    with pytest.raises(DataError) as err:
+        build_datasets(DataConfig(dataset="imagefolder", data_dir=str(tmp_path), image_size=16))
+    assert "train/ and val/ have different class folders: only in train/: dog, emu; only in val/: owl;" \
+        in str(err.value)
 
 
 @pytest.mark.parametrize("dataset,looked_for", [("mnist", "MNIST/raw"), ("cifar10", "cifar-10-batches-bin"),

@@ -151,6 +151,16 @@ def test_every_format_matches_the_pytorch_model(runs, run):
             assert torch.allclose(got, expected, atol=1e-4, rtol=1e-3)
 
 
+def test_the_export_s_files_have_the_mode_of_the_run_s_other_files(runs):
+    # The run's files are 0640 (keep_private); safetensors wrote its own file 0600.
+    mode = (runs / "small_cnn" / "config.json").stat().st_mode & 0o777
+    assert mode == 0o640 and (runs / "small_cnn" / "checkpoints" / "last.pt").stat().st_mode & 0o777 == mode
+    for fmt in FORMATS:
+        out = exported(runs / "small_cnn", fmt, cwd=runs)
+        assert {fmt: [oct(p.stat().st_mode & 0o777) for p in (out, out.with_name(out.name + ".json"))]} == \
+            {fmt: [oct(mode)] * 2}
+
+
 def test_an_operator_onnx_lacks_is_named_with_its_layer(runs):
     proc = hvd_train("export", runs / "spectral", "--format", "onnx", "--trust-code", cwd=runs)
     assert proc.returncode == 2, proc.stdout + proc.stderr

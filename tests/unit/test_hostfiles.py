@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, find_mpirun, job_env
+from conftest import BIN, ROOT, find_mpirun, job_env
 
 sys.path.insert(0, str(ROOT / "bench"))
 import mpis  # noqa: E402  (install.sh's pinned PyPI MPIs)
@@ -75,6 +75,37 @@ def test_a_host_name_that_does_not_resolve_is_a_warning_or_with_strict_an_error(
                             capture_output=True, text=True, timeout=60)
     assert strict.returncode == 1 and ":2: error: node-9.invalid does not resolve here" in strict.stderr
     assert "localhost" not in strict.stderr and not strict.stdout
+
+
+def test_the_slurm_script_stops_at_a_host_that_does_not_resolve_in_one_line_before_mpirun(tmp_path):
+    # The script's own check, run as it runs it (on the node where mpirun starts): one line naming the host, the
+    # reason and the fix, exit 1, no traceback; `set -e` then ends the job before mpirun.
+    script = (ROOT / "hostfiles" / "slurm_train.sbatch").read_text()
+    [line] = [line for line in script.splitlines() if "hostfiles/validate.py" in line]
+    assert line.split() == ["python", "hostfiles/validate.py", "--strict", '"$hosts"']
+    assert script.index(line) < script.index('"${launch[@]}"') and "set -euo pipefail" in script
+    (tmp_path / "hosts.txt").write_text("node-9.invalid slots=4\n")
+    proc = subprocess.run([sys.executable, str(VALIDATE), "--strict", str(tmp_path / "hosts.txt")],
+                          capture_output=True, text=True, timeout=60)
+    [said] = proc.stderr.splitlines()
+    assert proc.returncode == 1 and not proc.stdout and "Traceback" not in proc.stderr
+    assert said.startswith(f"{tmp_path / 'hosts.txt'}:1: error: node-9.invalid does not resolve here (")
+    assert "fix the name or /etc/hosts" in said
+
+
+@pytest.mark.parametrize("given", ["-H", "-hostfile"])
+def test_horovodrun_stops_at_a_host_that_does_not_resolve_in_one_line_naming_it(tmp_path, given):
+    # The build's patch of horovodrun: before it tries ssh on every host (and ends in a traceback that names
+    # none), a host that does not resolve is one line with the host and where it was given; no rank starts.
+    (tmp_path / "hosts.txt").write_text("localhost slots=1\nnode-9.invalid slots=1\n")
+    hosts = ["-H", "localhost:1,node-9.invalid:1"] if given == "-H" else ["-hostfile", str(tmp_path / "hosts.txt")]
+    proc = subprocess.run([str(BIN / "horovodrun"), "-np", "2", *hosts, "true"], capture_output=True, text=True,
+                          timeout=120, env=job_env(), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    [said] = proc.stderr.splitlines()
+    where = "-H" if given == "-H" else f"the hostfile {tmp_path / 'hosts.txt'}"
+    assert said.startswith(f"horovodrun: host 'node-9.invalid' (in {where}) does not resolve ("), said
+    assert "add it to /etc/hosts or DNS" in said
 
 
 def test_all_problems_are_reported_at_once(tmp_path):

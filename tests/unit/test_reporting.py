@@ -69,3 +69,18 @@ def test_an_interruption_names_the_last_epoch_whose_record_and_checkpoint_are_wr
     state.saved_epoch = state.closed_epoch = 1  # what AfterEpoch does once they are
     assert state.where(5, "last.pt") == "at the end of epoch 1/5; --resume auto continues from last.pt (the end of " \
                                         "epoch 1)"
+
+
+def test_the_data_line_shows_the_factorys_call_on_one_line_with_uris_redacted():
+    import torch
+    from hvd_train.run.reporting import describe_call
+
+    path = "/data/" + "a-long-folder-name/" * 8
+    shown = describe_call("mydata:sets", {
+        "seed": 42, "image_size": 64, "scale": 0.5, "flip": True, "root": path, "note": "two\nlines", "none": None,
+        "sizes": (32, 64), "table": {"a": 1}, "many": list(range(100)), "weights": torch.zeros(3),
+        "url": "https://bob:secret@host/d?token=abc", "transform": object()})
+    assert shown == (f"mydata:sets(seed=42, image_size=64, scale=0.5, flip=True, root={path!r}, note='two\\nlines', "
+                     f"none=None, sizes=(32, 64), table={{'a': 1}}, many=<list of 100>, weights=<Tensor>, "
+                     f"url='https://host/d?token=REDACTED', transform=<object>)")
+    assert describe_call("plugs:views", {}) == "plugs:views()" and describe_call("digits", None) == "digits"
