@@ -91,6 +91,9 @@ def settle(cfg, rt):
     # Only rank 0 speaks; the others report warnings and errors only.
     logging.basicConfig(level=logging.INFO if rt.is_main else logging.WARNING, format="%(message)s",
                         stream=sys.stdout)
+    # The root logger's INFO is for the app's lines: matplotlib's first import on a machine logs "generated new
+    # fontManager" at INFO, among the epoch lines (curves.png).
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     for note in getattr(cfg, "notes", ()):  # a resume or evaluation given a setting again, changed
         log.info("changed from the run's recorded settings: %s", note)
     interrupt.install(report=rt.is_main)
