@@ -253,14 +253,8 @@ class SeededSamples(Dataset):
         if torch.utils.data.get_worker_info() is not None:  # a loader worker: nothing else draws there
             seed_all(seed)
             return self.dataset[index]
-        python, numpy = random.getstate(), np.random.get_state()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                seed_all(seed)
-                return self.dataset[index]
-        finally:
-            random.setstate(python)
-            np.random.set_state(numpy)
+        with seeded(seed):
+            return self.dataset[index]
 
 
 @contextlib.contextmanager

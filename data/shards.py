@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from hvd_train.data import photos
-from hvd_train.data.augment import derived_seed, seed_all
+from hvd_train.data.augment import derived_seed, seed_all, seeded
 from hvd_train.data.errors import UNREADABLE_IMAGE, BadSampleError
 from hvd_train.data.images import as_mode
 from hvd_train.data.shard_index import by_worker, check_plan, deal, open_location, train_plan, unreachable
@@ -309,14 +309,8 @@ class ShardStream(IterableDataset):
             seed_all(derived_seed(*key))
             return self.transformed(image, sample, url), label
         # In the training process the generators are put back after, so dropout draws as it would without shards.
-        python, numpy = random.getstate(), np.random.get_state()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                seed_all(derived_seed(*key))
-                return self.transformed(image, sample, url), label
-        finally:
-            random.setstate(python)
-            np.random.set_state(numpy)
+        with seeded(derived_seed(*key)):
+            return self.transformed(image, sample, url), label
 
     def transformed(self, image, sample, url):
         try:

@@ -217,7 +217,7 @@ def try_the_metrics(model, task, info, device):
             sums = [task.step(model, feed(info.example(samples)))[1] for samples in (1, 2)]
     finally:
         model.train(was_training)
-    task.check_sums(sums[-1])  # the figures of two samples: a spread, a correlation is undefined on one
+    task.check_sums(hvd_utils.summed(sums[-1]))  # two samples' figures: a spread is undefined on one
 
 
 def attach_profiler(trainer, cfg, rt, run_dir):

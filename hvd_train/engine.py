@@ -16,7 +16,7 @@ import torch
 import hvd_utils
 from hvd_train.guards import watchdog
 from hvd_train.errors import NonFiniteLossError
-from hvd_train.run.best import averages
+from hvd_train.run.best import averages, visible
 from hvd_train.progress import Progress, on_terminal
 from hvd_train.batches import autocast, split_batch
 from hvd_train.feed import Feed
@@ -336,7 +336,7 @@ def format_record(epoch, epochs, train, val, record, shown=None, helpers=()):
 
     def terms(metrics):
         # The task's order: loss, its terms, its metrics, its derived figures.
-        names = [k for k, v in metrics.items() if k != "count" and k not in helpers and not isinstance(v, list)]
+        names = [k for k in visible(metrics, helpers) if k != "count"]
         return " ".join(f"{shown[k]} {metrics[k]:.2f}%" if k in shown else f"{k} {metrics[k]:.4f}" for k in names)
 
     ema = {k[8:]: v for k, v in record.items() if k.startswith("val_ema_")}

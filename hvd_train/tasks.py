@@ -205,8 +205,8 @@ class RunTask:
         return {k: v.tolist() if torch.is_tensor(v) else v for k, v in means.items()}
 
     def hidden(self):
-        """The record keys kept out of the epoch line, the summary, the curves and the trackers: the helpers'
-        (metrics.jsonl keeps them). A metric that is a tensor is kept out as well, as its value is a list."""
+        """The record keys of the helpers, kept out of the epoch line, the summary, the curves and the trackers
+        (hvd_train.run.best.visible, which leaves out the metrics that are tensors as well)."""
         return {f"{split}_{h}" for split in ("train", "val", "val_ema") for h in self.helpers}
 
     def samples(self, batch):
@@ -252,19 +252,17 @@ class RunTask:
         return value
 
     def check_sums(self, sums):
-        """The one-sample check of a task's figures (hvd_train.build.try_the_metrics): `sums` of one batch made
-        into an epoch's figures; a best_metric that is not a number, or a derived figure that is not finite, is
-        refused before training."""
+        """The one-sample check of a task's figures (hvd_train.build.try_the_metrics): `sums` of one batch, as
+        hvd_utils.allreduce_sums hands an epoch's over, made into its figures; a best_metric that is not a number,
+        or a derived figure that is not finite, is refused before training."""
         vectors = [k for k, shape in self.shapes.items() if shape]
         best = self.best_metric.split("_", 1)[1]
         if best in vectors:
             raise ConfigError(f"--task {self.name}: best_metric {self.best_metric!r} is a tensor of shape "
                               f"{list(self.shapes[best])}, and best.pt and --stop-at compare numbers; name a "
                               f"derived figure made from it (derived = (...) and derive())")
-        totals = {k: torch.as_tensor(v, dtype=torch.float64).detach().cpu() for k, v in sums.items()}
-        # As hvd_utils.allreduce_sums hands them to an epoch: numbers for scalars, tensors for the others.
         try:
-            figures = self.finish(averages({k: float(v) if v.dim() == 0 else v for k, v in totals.items()}))
+            figures = self.finish(averages(sums))
         except (ArithmeticError, ValueError) as e:  # a division by zero, math.sqrt(-1e-18): found after an epoch
             where = traceback.extract_tb(e.__traceback__)[-1]
             raise ConfigError(f"--task {self.name}: derive() raised {type(e).__name__}: {e} on one training "

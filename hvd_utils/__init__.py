@@ -4,7 +4,7 @@ Each function also works in a single process (hvd.size() == 1), so a plain `pyth
 """
 from hvd_utils.comm import allreduce_average
 from hvd_utils.metrics import (allreduce_sums, fingerprints_by_rank, gather_floats, gather_objects,
-                               params_fingerprint, sum_across_ranks)
+                               params_fingerprint, sum_across_ranks, summed)
 from hvd_utils.optim import (apply_gradients, average_buffers, broadcast_state, buffers_by_rank, checkpoint_state,
                              clip_gradients, distributed_optimizer, lr_scale, optimizer_state_bytes,
                              restore_buffers_by_rank, sync_batch_norm, unscale_gradients)
@@ -22,6 +22,6 @@ __all__ = ["timeline", "PeerFailure", "Runtime", "SettingsRefused", "launched_si
            "lr_scale", "distributed_optimizer", "apply_gradients", "average_buffers", "broadcast_state",
            "buffers_by_rank", "restore_buffers_by_rank", "checkpoint_state",
            "clip_gradients", "unscale_gradients", "optimizer_state_bytes",
-           "sync_batch_norm", "decide_on_root", "broadcast_module", "rank", "allreduce_sums",
+           "sync_batch_norm", "decide_on_root", "broadcast_module", "rank", "allreduce_sums", "summed",
            "sum_across_ranks", "gather_floats", "gather_objects",
            "allreduce_average", "params_fingerprint", "fingerprints_by_rank", "StepVote"]

@@ -20,7 +20,14 @@ def allreduce_sums(sums, name="metric_sums"):
     if values and hvd.size() > 1:  # alone: no wait for Horovod's next cycle (100 ms when alone, hvd_utils/runtime.py)
         packed = hvd.allreduce(torch.cat([v.reshape(-1) for v in values]), op=hvd.Sum, name=name)
         values = [part.reshape(v.shape) for part, v in zip(packed.split([v.numel() for v in values]), values)]
-    return {k: float(v) if v.dim() == 0 else v for k, v in zip(keys, values)}
+    return summed(dict(zip(keys, values)))
+
+
+def summed(sums):
+    """Sums as allreduce_sums returns them: plain floats for scalars, float64 CPU tensors of their own shapes for
+    the others."""
+    values = {k: torch.as_tensor(v, dtype=torch.float64).detach().cpu() for k, v in sums.items()}
+    return {k: float(v) if v.dim() == 0 else v for k, v in values.items()}
 
 
 def params_fingerprint(model):

@@ -9,8 +9,8 @@ from hvd_train.engine import evaluate_all
 from hvd_train.errors import CheckpointError
 from hvd_train.feed import Feed
 from hvd_train.regularize import weight_average
+from hvd_train.run.best import visible
 from hvd_train.run.directory import RunDir, write_json
-from hvd_train.run.reporting import visible
 from hvd_train.run.state import checkpoint_fits, load_everywhere
 
 log = logging.getLogger("hvd_train")

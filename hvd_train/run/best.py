@@ -32,3 +32,10 @@ def averages(totals):
     out.update({key: value / count if count else value * float("nan") for key, value in totals.items()
                 if key != "count"})
     return out
+
+
+def visible(figures, hidden):
+    """Figures without the task's helpers (`hidden`: their names, or their record keys) and without the metrics
+    that are tensors (lists once made figures): what the epoch line, the summary, the curves and the trackers
+    show; metrics.jsonl keeps them all."""
+    return {k: v for k, v in figures.items() if k not in hidden and not isinstance(v, list)}

@@ -13,6 +13,7 @@ import time
 import psutil
 
 import hvd_utils
+from hvd_train.run.best import visible
 from hvd_train.run.directory import append_line, atomic_write, no_link_below, reported_write, write_json
 from hvd_train.schedule import batching
 from hvd_train.uris import redact_text
@@ -121,12 +122,6 @@ class Reporter:
 
 def _line(record):
     return json.dumps(record, sort_keys=True) + "\n"
-
-
-def visible(record, hidden):
-    """A record without the task's helpers (`hidden`, their record keys) and without the metrics that are tensors
-    (lists in the record): what the epoch line, the summary, the curves and the trackers show."""
-    return {k: v for k, v in record.items() if k not in hidden and not isinstance(v, list)}
 
 
 def seconds_since_start():

@@ -104,7 +104,7 @@ class Confusion:
 
 def test_a_tensor_sum_is_added_whole_derived_from_and_kept_out_of_sight():
     from hvd_train.run.best import averages
-    from hvd_train.run.reporting import visible
+    from hvd_train.run.best import visible
 
     task = RunTask(Confusion(), "mine:Confusion")
     batches = [(torch.tensor([[1.0], [-1.0], [2.0]]), torch.tensor([1, 0, 0])),
