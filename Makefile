@@ -18,13 +18,13 @@ help:
 	@echo "make test    run the test suite (real horovodrun and mpirun launches on the CPU; not the builds or images)"
 	@echo "make test-builds  compile the NCCL build and the offline build against another torch, and train with each"
 	@echo "make test-images  build both Docker images and train in and across containers (needs a Docker engine)"
-	@echo "make bench   benchmark against bare PyTorch, torchrun DDP and raw allreduce; writes bench/results/<date>.{json,md}"
+	@echo "make bench   benchmark against bare PyTorch, torchrun DDP and raw allreduce; writes runs/bench/<date>.{json,md}"
 	@echo "make lint    flake8"
 	@echo "make clean   remove .venv and runs/ (the cached Horovod wheel in ~/.cache/hvd-train stays)"
 
 setup: $(READY)
 
-$(READY): requirements.txt scripts/install.sh $(filter-out %/__pycache__,$(wildcard scripts/horovod/*)) setup.cfg
+$(READY): requirements.txt scripts/install.sh $(filter-out %/__pycache__,$(wildcard scripts/horovod/* scripts/horovod/patches/*)) setup.cfg
 	bash scripts/install.sh
 	@touch $@
 

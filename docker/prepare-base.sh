@@ -3,7 +3,7 @@
 # prerequisites, the user that trains, sshd for mpirun across containers, and OpenMPI's settings for containers.
 set -euo pipefail
 
-pkgs=(g++ make openmpi-bin libopenmpi-dev openssh-server openssh-client curl ca-certificates)
+pkgs=(g++ make patch openmpi-bin libopenmpi-dev openssh-server openssh-client curl ca-certificates)
 # python:*-slim brings Python with its headers; a CUDA or plain Debian/Ubuntu base gets the distribution's Python.
 # Without the headers Horovod's build would fail after minutes of compiling.
 if ! command -v python3 >/dev/null 2>&1 || ! python3 - <<'PY'

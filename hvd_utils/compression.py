@@ -2,7 +2,7 @@
 
 bfloat16 keeps float32's 8 exponent bits and drops mantissa bits: half the bytes of float32, like fp16, but a
 gradient beyond fp16's 65504 stays finite instead of becoming inf. Horovod 0.28.1 has no bfloat16 type in its
-core; scripts/horovod/build_horovod.py adds it (bfloat16_patches) to MPI, Gloo and NCCL, summing in float32 and rounding
+core; scripts/horovod/patches/0022-bfloat16.patch adds it to MPI, Gloo and NCCL, summing in float32 and rounding
 each result once, so the only precision lost is bfloat16's rounding of what is sent and of the sum.
 """
 import horovod.torch as hvd

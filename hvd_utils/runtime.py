@@ -94,7 +94,7 @@ def keep_freed_memory():
     OpenMPI's allreduce mallocs a scratch buffer as large as the message on every call and frees it at the end.
     glibc serves a block that large with a fresh mmap and unmaps it on free, so every allreduce of 64 MB first
     faults in 16,384 new zeroed pages, at about 1.3 GB/s here against 7 GB/s for copying the data
-    (bench/NOTES.md item 8). With no mmap (M_MMAP_MAX 0), one arena (M_ARENA_MAX 1: a thread's own arena cannot
+    (bench/NOTES.md). With no mmap (M_MMAP_MAX 0), one arena (M_ARENA_MAX 1: a thread's own arena cannot
     grow past 64 MB and would mmap anyway) and no trimming, the buffer is the same heap memory each time. The
     price: memory freed by this process stays mapped to it (its RSS stays at its peak). Skipped where the user
     set any of glibc's malloc variables, and where the C library is not glibc."""
@@ -139,7 +139,7 @@ def start(cpu=False, fusion_threshold_mb=-1.0, cycle_time_ms=0.0, gloo_timeout_s
 
     fusion_threshold_mb and cycle_time_ms tune Horovod (see tuning_env); elastic runs too, since hvd-train's
     Horovod build no longer crashes when an elastic reset re-initialises with both set
-    (scripts/horovod/build_horovod.py).
+    (scripts/horovod/patches/0007-elastic-reset-fixed-parameter.patch).
     gloo_timeout_s > 0 sets how long a Gloo collective waits for a peer (Horovod's default: 30 s), unless
     HOROVOD_GLOO_TIMEOUT_SECONDS is set. cpu: the ranks train on CPUs even where GPUs are visible.
 

