@@ -2,7 +2,7 @@
 
 Every figure is a ratio of two things measured in this run on this machine, the two alternated (A B, B A, ...) over
 --repeats repeats, and reported as min / median / max; figures from different runs are never compared. Writes
-bench/results/<date>.json and .md and prints the table.
+runs/bench/<date>.json and .md (runs/ is ignored by git; --results-dir puts them elsewhere) and prints the table.
 
     python bench/run.py                  # everything (about 35 minutes on 2 cores)
     python bench/run.py --quick          # the same pipeline on tiny settings (a minute or two; used by the tests)
@@ -39,6 +39,9 @@ APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "glo
 # Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
 # restates glibc's own default trim threshold (128 KB), so the process runs as it would without the app's setting.
 GLIBC_MALLOC = {"MALLOC_TRIM_THRESHOLD_": 128 << 10}
+# Where results go unless --results-dir says otherwise: under runs/, which git ignores, so a benchmark leaves the
+# tree clean (docs/benchmarks.md keeps the curated tables, each with its date, commit and command).
+RESULTS_DIR = os.path.join(ROOT, "runs", "bench")
 
 
 def job_env(**extra):
@@ -846,7 +849,7 @@ def _size(nbytes):
 
 
 def result_path(directory, date):
-    """bench/results/<date>.json, or <date>-2.json, ... : an earlier result is never replaced."""
+    """<directory>/<date>.json, or <date>-2.json, ... : an earlier result is never replaced."""
     stem, n = os.path.join(directory, date), 2
     path = stem
     while os.path.exists(path + ".json"):
@@ -854,12 +857,19 @@ def result_path(directory, date):
     return path
 
 
-def main():
+def parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3, help="alternated repeats of each comparison")
     p.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not the speed")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from: {', '.join(SECTIONS)}")
-    p.add_argument("--results-dir", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--results-dir", default=RESULTS_DIR,
+                   help=f"where <date>.json and .md go (default: {os.path.relpath(RESULTS_DIR, ROOT)}/ in the "
+                   "repository, which git ignores)")
+    return p
+
+
+def main():
+    p = parser()
     args = p.parse_args()
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in sections if s not in SECTIONS]

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,8 +156,21 @@ def test_allreduce_benchmark_reports_busbw_for_horovod_and_torch(tmp_path):
         assert r["grads"]["tensors"] == 8 and r["grads"]["seconds"] > 0
 
 
+def bench_files():
+    """bench/'s files (not Python's caches) and when each was last written."""
+    return {p: p.stat().st_mtime_ns for p in (ROOT / "bench").rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
 @pytest.mark.distributed
 def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path):
+    # Without --results-dir the results go under runs/bench/ (ignored by git), not into bench/: read from the
+    # argument parser, so no benchmark runs for it.
+    code = "import sys; sys.path.insert(0, 'bench'); import run; print(run.parser().parse_args([]).results_dir)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=job_env(), capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert Path(out.stdout.strip()).resolve() == ROOT / "runs" / "bench"
+    before = bench_files()
     cmd = [sys.executable, "bench/run.py", "--quick", "--repeats", "1", "--results-dir", str(tmp_path), "--sections"]
     # The second run, of another section, has to find the first one's files there and write beside them.
     for sections in ("overhead,peer,accuracy", "data,pipeline,shard,mpi"):
@@ -168,6 +182,7 @@ def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path
             second_output = proc.stdout
     files = sorted(os.listdir(tmp_path))
     assert len(files) == 4 and sum(f.endswith("-2.json") for f in files) == 1
+    assert bench_files() == before  # nothing under bench/ written or added
     result = read_json(tmp_path / next(f for f in files if f.endswith(".json") and not f.endswith("-2.json")))
     figures = {r["figure"].split(",")[0]: r for r in result["rows"]}
     assert set(figures) == {"overhead", "peer", "time to 90% val top-1"}
