@@ -1,7 +1,12 @@
 """Hosts on one machine for tests, as a cluster has them: each host a network namespace with its own hostname (a UTS
-namespace), its own /etc/hosts (ip netns exec mounts /etc/netns/NS/hosts over it) and an sshd, all joined through a
-bridge in a namespace of its own, so no traffic reaches this machine's own network. Hosts can be killed (every
-process in them, their link cut). Everything is removed afterwards, also on failure.
+namespace), its own /etc/hosts (ip netns exec mounts /etc/netns/NS/hosts over it), its own /dev/shm and System V IPC
+(a mount and an IPC namespace) and an sshd, all joined through a bridge in a namespace of its own, so no traffic
+reaches this machine's own network. Hosts can be killed (every process in them, their link cut). Everything is
+removed afterwards, also on failure.
+
+Each host's namespaces are held by one process (`holder`), which every command on the host enters (nsenter). A shared
+/dev/shm would let MPICH and Horovod move data between "hosts" through shared memory instead of their link: an MPI
+run across two such hosts sent nothing over the veth pair.
 
 names="own": every hostname resolves to the host's address everywhere. names="loopback": each host's /etc/hosts maps
 its own name to 127.0.1.1, as Debian's installer, cloned VM images and many containers do.
@@ -32,6 +37,7 @@ class Host:
     ns: str        # its network namespace
     address: str   # its address on IFACE
     veth: str      # the switch's end of its link
+    holder: subprocess.Popen = None  # the process whose namespaces are the host's (network, mount, IPC, hostname)
 
 
 class Cluster:
@@ -72,7 +78,7 @@ class Cluster:
         return self
 
     def __exit__(self, *exc):
-        for daemon in self.daemons.values():
+        for daemon in [*self.daemons.values(), *(h.holder for h in self.hosts if h.holder)]:
             daemon.kill()
             daemon.wait()
         for ns in self.made:
@@ -103,6 +109,7 @@ class Cluster:
                     ["addr", "add", f"{host.address}/24", "dev", IFACE], ["link", "set", IFACE, "up"],
                     ["link", "set", "lo", "up"]):
             sh("ip", "netns", "exec", host.ns, "ip", *cmd)
+        self.hold(host)
         config = self.keys / f"sshd_{host.ns}"
         config.write_text(f"Port {SSH_PORT}\nHostKey {self.keys / 'host'}\nAuthorizedKeysFile "
                           f"{self.keys / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
@@ -113,10 +120,20 @@ class Cluster:
         self.daemons[host.name] = subprocess.Popen(self.on(host, [self.sshd, "-D", "-e", "-f", config]),
                                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
+    def hold(self, host):
+        """The host's own mount (a private tmpfs on /dev/shm), IPC and UTS namespaces, held by a sleeping process."""
+        script = (f"mount -t tmpfs -o size=2g,mode=1777 tmpfs /dev/shm && hostname {host.name} && echo up && "
+                  "exec sleep inf")
+        host.holder = subprocess.Popen(["ip", "netns", "exec", host.ns, "unshare", "--mount", "--propagation",
+                                        "private", "--ipc", "--uts", "sh", "-c", script], stdout=subprocess.PIPE,
+                                       text=True)
+        if host.holder.stdout.readline().strip() != "up":  # blocks until the mount is made, or the shell ends
+            pytest.fail(f"could not give {host.name} its own /dev/shm and IPC namespace (exit {host.holder.wait()})")
+
     def on(self, host, cmd):
-        """`cmd` as a command line that runs on `host`: its network, its hostname, its /etc/hosts."""
-        return ["ip", "netns", "exec", host.ns, "unshare", "--uts", "sh", "-c", f'hostname {host.name} && exec "$@"',
-                host.name, *[str(c) for c in cmd]]
+        """`cmd` as a command line that runs on `host`: its network, hostname, /etc/hosts, /dev/shm and IPC."""
+        return ["nsenter", "-t", str(host.holder.pid), "--net", "--mount", "--ipc", "--uts", "--",
+                *[str(c) for c in cmd]]
 
     def ssh(self, src, dst, command):
         return sh(*self.on(src, ["ssh", *self.ssh_options, dst.name, command]), check=False)
@@ -157,6 +174,12 @@ class Cluster:
         wait_for(lambda: not self.kill_all_in(host.ns), f"the processes on {host.name} to exit after SIGKILL",
                  seconds=60)
         sh("ip", "netns", "exec", self.switch, "ip", "link", "set", host.veth, "down")
+
+    def link_bytes(self, host):
+        """Bytes that crossed the host's link so far, both ways (the switch's end of its veth pair)."""
+        read = [sh("ip", "netns", "exec", self.switch, "cat", f"/sys/class/net/{host.veth}/statistics/{way}_bytes")
+                for way in ("rx", "tx")]
+        return sum(int(r.stdout) for r in read)
 
     def horovodrun_ssh(self):
         """horovodrun's options for reaching the hosts' sshd."""

@@ -1,9 +1,11 @@
-"""Real multi-host runs on one machine (tests/cluster.py: network namespaces with their own hostnames, /etc/hosts and
-sshd): horovodrun over MPI and Gloo and mpirun launch train_hvd.py across two hosts, also where every hostname
-resolves to a loopback address (Debian's default), which made Horovod's Gloo abort before hvd-train patched it."""
+"""Real multi-host runs on one machine (tests/cluster.py: network namespaces with their own hostnames, /etc/hosts,
+/dev/shm and sshd): horovodrun over MPI and Gloo and mpirun launch train_hvd.py across two hosts, also where every
+hostname resolves to a loopback address (Debian's default), which made Horovod's Gloo abort before hvd-train
+patched it."""
 import sys
 
 import pytest
+import torch
 
 from cluster import IFACE, Cluster
 from conftest import BIN, ROOT, find_mpirun, read_json
@@ -60,5 +62,11 @@ def test_mpirun_across_two_hosts(two_named_hosts, tmp_path):
         options = ["-H", hosts, "--allow-run-as-root", "--bind-to", "none", "-mca", "plm_rsh_args",
                    " ".join(cluster.ssh_options), "-mca", "btl_tcp_if_include", IFACE, "-mca", "oob_tcp_if_include",
                    IFACE, "-x", "PATH", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED"]
+    before = cluster.link_bytes(cluster.hosts[1])
     run_ok(cluster, [mpirun, "-np", "2", *options, *TRAIN, "--output-dir", tmp_path / "run"], env)
     check_two_host_run(tmp_path / "run", "MPI")
+    # The gradients crossed the link, as between real nodes (each host has its own /dev/shm): every step sends
+    # about the model's size each way, and an epoch has more than 20 steps.
+    weights = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    assert cluster.link_bytes(cluster.hosts[1]) - before > 10 * model_bytes
