@@ -19,7 +19,7 @@ from hvd_train.data.arrays import ImageTensorDataset
 from hvd_train.data.errors import UNREADABLE_IMAGE, DataError
 from hvd_train.data.images import as_mode, read_image_file
 from hvd_train.data.shard_index import FORMAT, INDEX
-from hvd_train.run.directory import atomic_write, temporary_beside
+from hvd_train.files import atomic_write, temporary_beside
 
 
 def raw_samples(dataset, max_side=0):

@@ -1,4 +1,4 @@
-"""hvd-train: the application around Horovod's data-parallel recipe (train_hvd.py, also installed here as recipe).
+"""hvd-train: the application around Horovod's data-parallel recipe (train_hvd.py).
 
 app         the hvd-train commands, the checks before and after Horovod starts, the one error guard
 training    the steps of a run that train_hvd.py calls, shared by fixed and elastic runs
@@ -12,16 +12,48 @@ run/        the output directory and everything written into it: checkpoints, th
 guards/     the watchdog that names a frozen rank; Ctrl-C and SIGTERM
 tools/      hvd-train doctor, shard, export, predict, and the inference they share
 modes/      what differs from the recipe: elastic (its loop), evaluate and benchmark (they measure)
+files       every write of the app (atomic, private, never through a link), for data/ and run/ alike
 tasks, plugins, datasets, weights, regularize, profiling, trust, uris, api: the pieces those use
 Horovod itself is used only through hvd_utils.
+
+data/, models/ and hostfiles/ are the package's hvd_train.data, hvd_train.models and hvd_train.hostfiles: the wheel
+installs them inside it (setup.cfg's package_dir); in a checkout they sit beside it, at the top of the repository
+(the layout users asked for), and the package's search path reaches them there. Either way they are found through
+the package, never through the module search path, so a user's own data/ or models/ folder cannot shadow them.
+The public names below are functions, never submodule names (tests/unit/test_api.py).
 """
+import importlib.abc as _abc
+import importlib.util as _util
+import sys as _sys
+from pathlib import Path as _Path
+
+BESIDE = ("data", "models", "hostfiles")
 
 
-def run(model=None, train_set=None, val_set=None, task=None, facts=None, argv=None):
+class _Beside(_abc.MetaPathFinder):
+    """In a checkout, hvd_train.data is <checkout>/data (and so on), and nothing else of the checkout's top level."""
+
+    def __init__(self, checkout):
+        self.checkout = checkout
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, name = fullname.partition(".")
+        if package != __name__ or name not in BESIDE:
+            return None
+        folder = self.checkout / name
+        return _util.spec_from_file_location(fullname, folder / "__init__.py", submodule_search_locations=[str(folder)])
+
+
+_CHECKOUT = _Path(__file__).resolve().parent.parent
+if not (_Path(__file__).parent / "data").is_dir() and (_CHECKOUT / "data" / "__init__.py").is_file():
+    _sys.meta_path.insert(0, _Beside(_CHECKOUT))
+
+
+def train(model=None, train_set=None, val_set=None, task=None, facts=None, argv=None):
     """The app around a user's own objects; see hvd_train/api.py. Returns the exit code."""
-    from hvd_train.api import run as run_app
+    from hvd_train.api import train as train_app
 
-    return run_app(model=model, train_set=train_set, val_set=val_set, task=task, facts=facts, argv=argv)
+    return train_app(model=model, train_set=train_set, val_set=val_set, task=task, facts=facts, argv=argv)
 
 
 def load_trained(source, trusted=False):

@@ -1,4 +1,4 @@
-"""hvd_train.run(): the whole app (Horovod, sharding, exact metrics, checkpoints and exact resume, elastic mode, the
+"""hvd_train.train(): the whole app (Horovod, sharding, exact metrics, checkpoints and exact resume, elastic mode, the
 watchdog, reports) around objects a user's own script made, for users who keep their script.
 
     # my_train.py; launch: horovodrun -np 4 -H host1:2,host2:2 python my_train.py --epochs 10 --output-dir runs/a
@@ -7,8 +7,8 @@ watchdog, reports) around objects a user's own script made, for users who keep t
 
     if __name__ == "__main__":
         train_set, val_set = make_my_sets()
-        sys.exit(hvd_train.run(model=MyNet(), train_set=train_set, val_set=val_set, task=MyTask(),
-                               facts={"num_classes": 10}))
+        sys.exit(hvd_train.train(model=MyNet(), train_set=train_set, val_set=val_set, task=MyTask(),
+                                 facts={"num_classes": 10}))
 
 Every setting comes from the command line (or --config), as for train_hvd.py. The objects become the run's model,
 data sets and task through the same mechanism as --model package.module:name (hvd_train/plugins.py), named after
@@ -22,12 +22,12 @@ from torch import nn
 from hvd_train import plugins
 
 
-def run(model=None, train_set=None, val_set=None, task=None, facts=None, argv=None):
+def train(model=None, train_set=None, val_set=None, task=None, facts=None, argv=None):
     """Train `model` (an nn.Module, or a factory called with the data's facts it names) on `train_set` (and
     `val_set`; None: the app's split of train_set) with `task` (an instance or a class of the task interface,
     hvd_train/tasks.py), under the settings of `argv` (default: the command line). Each argument left out keeps
     the setting's choice (--model, --dataset, --task). Returns the exit code, as train_hvd.py's."""
-    from hvd_train import app, recipe  # the recipe as the package ships it: never a module of the user's
+    from hvd_train import app
 
     chosen = []
     if model is not None:
@@ -35,11 +35,11 @@ def run(model=None, train_set=None, val_set=None, task=None, facts=None, argv=No
     if train_set is not None:
         chosen += ["--dataset", _provide(train_set, lambda: (train_set, val_set, dict(facts or {})))]
     elif val_set is not None or facts:
-        raise TypeError("hvd_train.run(): val_set and facts belong to a train_set; pass train_set too")
+        raise TypeError("hvd_train.train(): val_set and facts belong to a train_set; pass train_set too")
     if task is not None:
         chosen += ["--task", _provide(task, task if inspect.isclass(task) else (lambda: task))]
     args = list(sys.argv[1:] if argv is None else argv) + chosen
-    return app.guarded(lambda: recipe.main(args))
+    return app.guarded(lambda: app.recipe_main()(args))
 
 
 def _provide(obj, factory):

@@ -1,16 +1,18 @@
 """The process around the recipe: the `hvd-train` commands, the checks and settings before and after Horovod starts,
 the modes that measure instead of training, and the one place that turns a failure into a message and an exit code.
 
-train_hvd.py (installed as hvd_train.recipe too) is the recipe itself; this module runs it and never imports it.
+train_hvd.py is the recipe itself; this module runs it (recipe_main, by its file) and never imports it by name.
 """
 import faulthandler
 import importlib
+import importlib.util
 import logging
 import signal
 import sys
 import time
 import traceback
 import warnings
+from pathlib import Path
 
 import hvd_utils
 from hvd_train.guards import interrupt
@@ -20,7 +22,8 @@ from hvd_train.data import BadSampleError, DataError
 from hvd_train.errors import (EXIT_BAD_DATA, EXIT_DIVERGED, EXIT_REFUSED, CheckpointError, ConfigError,
                               NonFiniteLossError, say)
 from hvd_train.run.checkpoint import seed_generators
-from hvd_train.run.directory import check_writable, keep_private
+from hvd_train.files import keep_private
+from hvd_train.run.directory import check_writable
 from hvd_utils.elastic import under_elastic_launcher
 
 log = logging.getLogger("hvd_train")
@@ -39,7 +42,7 @@ SUBCOMMANDS = {
 
 def cli(train=None):
     """`hvd-train [SUBCOMMAND] ...` and `python train_hvd.py ...`: a subcommand, or a training run of `train`
-    (the recipe's main; by default the installed recipe, hvd_train.recipe). Exits with the code."""
+    (the recipe's main; by default the app's own train_hvd.py, recipe_main). Exits with the code."""
     keep_private()  # files this process writes: owner and group only (hvd_train/run/directory.py)
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     if command in SUBCOMMANDS:
@@ -49,12 +52,23 @@ def cli(train=None):
     sys.exit(guarded(train))
 
 
-def recipe_main():
-    """The installed recipe's main: train_hvd.py as the package ships it (never a module a user named
-    train_hvd)."""
-    from hvd_train import recipe
+# train_hvd.py sits beside the package: in a checkout, and in site-packages where the wheel puts it (py_modules).
+RECIPE = Path(__file__).resolve().parent.parent / "train_hvd.py"
 
-    return recipe.main
+
+def recipe_main():
+    """The recipe's main, from the app's own train_hvd.py: never a module of the user's that is named train_hvd
+    and comes first on the module search path (a user's copy of the recipe, beside the script they launch)."""
+    loaded = sys.modules.get("train_hvd")
+    if loaded is not None and Path(getattr(loaded, "__file__", None) or "").resolve() == RECIPE:
+        return loaded.main
+    # The user's own train_hvd keeps its name; the app's recipe is then loaded under a name of the package's.
+    name = "train_hvd" if loaded is None else "hvd_train._recipe"
+    spec = importlib.util.spec_from_file_location(name, RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module.main
 
 
 def configure(argv=None, cfg=None):
@@ -173,7 +187,7 @@ def say_refusal(agreed):
 
 
 def guarded(run):
-    """run() with every failure reported once, as the command line and hvd_train.run() do; returns the exit code."""
+    """run() with every failure reported once, as the command line and hvd_train.train() do; returns the exit code."""
     code = 1
     try:
         code = run()

@@ -59,6 +59,9 @@ class Trainer:
     ema: Optional[object] = None     # --model-ema: hvd_train.regularize.WeightAverage, updated after every step
     mixing: Optional[object] = None  # --mixup/--cutmix: hvd_train.regularize.Mixing, applied to every batch
     feed: Optional[object] = None    # hvd_train.feed.Feed: batches to the device, images normalized (None: moved)
+    # hvd_train.schedule.Batching of the ranks it trains on, made once by training.trainer (an elastic run's when
+    # the workers change): what the reports, the checkpoints within epochs and the benchmark read.
+    batching: Optional[object] = None
 
 
 class Hooks:

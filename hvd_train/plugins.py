@@ -14,7 +14,7 @@ import traceback
 
 from hvd_train.errors import ConfigError
 
-# Objects a user's script handed to hvd_train.run(), by the names the run records for them (hvd_train/api.py).
+# Objects a user's script handed to hvd_train.train(), by the names the run records for them (hvd_train/api.py).
 PROVIDED = {}
 
 

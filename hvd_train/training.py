@@ -25,8 +25,8 @@ from hvd_train.regularize import Mixing, weight_average
 from hvd_train.run.reporting import finish as write_summary, log_rescale, log_setup
 from hvd_train.run.directory import RunDir, write_config
 from hvd_train.run.saves import StepSaves
-from hvd_train.run.state import (AfterEpoch, RunState, checkpoint_fits, outputs_for, read_checkpoint,
-                                 restore_rank_buffers)
+from hvd_train.run.resume import checkpoint_fits, read_checkpoint, restore_rank_buffers
+from hvd_train.run.state import AfterEpoch, RunState, outputs_for
 from hvd_train.schedule import LRSchedule, batching
 from hvd_train.run.tracking import local_mlflow, open_trackers
 from hvd_train.weights import freeze_configured
@@ -90,15 +90,18 @@ def allreduce_options(cfg):
                 gradient_predivide_factor=h.gradient_predivide_factor, elastic=h.elastic, shard=h.shard_optimizer)
 
 
-def trainer(cfg, info, rt, model, task, optimizer):
+def trainer(cfg, info, rt, model, task, optimizer, scaled=None):
     """What the training loop drives: the parts above, the learning-rate schedule, the fp16 scaler, the average of
-    the weights (--model-ema) and mixup/CutMix."""
+    the weights (--model-ema) and mixup/CutMix, and the run's batch arithmetic on rt.size ranks (`scaled`, where
+    the caller made it for the optimizer's rate), which everything after reads from the Trainer."""
+    scaled = scaled or batching(cfg, rt.size)
     mixing = Mixing(cfg.aug, info.num_classes, cfg.run.seed, rt.rank) if cfg.aug.mixing else None
     return Trainer(model=model, task=task, optimizer=optimizer,
-                   schedule=LRSchedule(cfg.optim, batching(cfg, rt.size).lr_scale), device=rt.device,
+                   schedule=LRSchedule(cfg.optim, scaled.lr_scale), device=rt.device,
                    opts=StepOptions.from_config(cfg, rt.is_main), epochs=cfg.optim.epochs,
                    scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None,
-                   ema=weight_average(cfg, model), mixing=mixing, feed=Feed.of_run(cfg, info, rt.device, rt.rank))
+                   ema=weight_average(cfg, model), mixing=mixing, feed=Feed.of_run(cfg, info, rt.device, rt.rank),
+                   batching=scaled)
 
 
 @dataclass
@@ -151,7 +154,7 @@ def fit(run, loaders):
     interrupt.describe_with(lambda: state.where(cfg.optim.epochs, run.run_dir.last_checkpoint))
     log_setup(cfg, rt, run.info, trainer, state.epoch)
     if run.resumed_from:
-        log_rescale(cfg, state.resumes[-1], len(train_loader))
+        log_rescale(cfg, state.resumes[-1], len(train_loader), trainer.batching)
     if state.partial:
         continue_epoch(run, train_loader)
     write_config_everywhere(run.run_dir, cfg)

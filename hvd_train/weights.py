@@ -17,7 +17,7 @@ from torch import nn
 
 from hvd_train.errors import ConfigError
 from hvd_train.gate import RecordError, plain
-from hvd_train.run.checkpoint import unbounded_members
+from hvd_train.run.resume import unbounded_members
 
 log = logging.getLogger("hvd_train")
 WRAPPERS = ("module.", "_orig_mod.")  # DistributedDataParallel's and torch.compile's prefixes

@@ -25,17 +25,17 @@ from hvd_train.errors import ConfigError, NonFiniteLossError
 from hvd_train.plugins import is_import_path
 from hvd_train.tasks import samples_in
 from hvd_train.run.reporting import peak_rss_bytes, seconds_since_start
-from hvd_train.run.directory import RunDir, write_json
+from hvd_train.files import write_json
+from hvd_train.run.directory import RunDir
 from hvd_train.models import MODELS as SMALL_MODELS, is_channels_last
 
 log = logging.getLogger("hvd_train")
 
 
-def samples_batch(cfg, train_set, info, device):
-    """One batch of the data set's own first samples (cycled where it has fewer), collated as the loader collates
-    them, held on the device as the feed hands batches to the model: a user's task may take any sample structure
-    (dicts, nested), which only its data has."""
-    n = batching(cfg, 1).per_rank
+def samples_batch(train_set, info, device, n):
+    """One batch of the data set's own first `n` samples (cycled where it has fewer), collated as the loader
+    collates them, held on the device as the feed hands batches to the model: a user's task may take any sample
+    structure (dicts, nested), which only its data has."""
     return Feed(device, *image_figures(info))(default_collate([train_set[i % len(train_set)] for i in range(n)]))
 
 
@@ -44,10 +44,10 @@ def uses_own_data(cfg):
     return is_import_path(cfg.model.task) or is_import_path(cfg.data.dataset)
 
 
-def synthetic_batch(cfg, info, device):
-    """One random batch per step (the per-rank batch x batches_per_allreduce), made once, on the device."""
+def synthetic_batch(cfg, info, device, n):
+    """One random batch per step of `n` samples (the per-rank batch x batches_per_allreduce), made once, on the
+    device."""
     gen = torch.Generator().manual_seed(cfg.run.seed)
-    n = batching(cfg, 1).per_rank
     images = torch.rand(n, info.in_channels, info.image_size, info.image_size, generator=gen)
     labels = torch.randint(0, info.num_classes, (n,), generator=gen)
     if cfg.model.channels_last:  # as an input pipeline would deliver it; the model would convert it every step
@@ -105,9 +105,10 @@ def peak_memory_bytes(device):
 def build_trainer(cfg, info, rt):
     """The Trainer of a training run, built by the recipe's steps (train_hvd.py), Horovod's optimizer included."""
     model, task = training.model_and_task(cfg, info, rt.device)
-    optimizer = training.optimizer(cfg, model, lr=batching(cfg, rt.size).lr)
+    scaled = batching(cfg, rt.size)  # made once: the optimizer's rate, then the Trainer's
+    optimizer = training.optimizer(cfg, model, lr=scaled.lr)
     optimizer = hvd_utils.distributed_optimizer(optimizer, model, **training.allreduce_options(cfg))
-    return training.trainer(cfg, info, rt, model, task, optimizer)
+    return training.trainer(cfg, info, rt, model, task, optimizer, scaled)
 
 
 def run(cfg, rt):
@@ -141,7 +142,8 @@ def run(cfg, rt):
              f", torch.compile mode {cfg.model.compile_mode}" if cfg.model.compile else "")
 
     own = uses_own_data(cfg)
-    batch = samples_batch(cfg, train_set, info, rt.device) if own else synthetic_batch(cfg, info, rt.device)
+    n = trainer.batching.per_rank
+    batch = samples_batch(train_set, info, rt.device, n) if own else synthetic_batch(cfg, info, rt.device, n)
     first_step_seconds, rates = time_iterations(trainer, batch, b)
     if trainer.profiler is not None:
         trainer.profiler.close()

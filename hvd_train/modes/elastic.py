@@ -14,7 +14,8 @@ from hvd_train.build import attach_profiler, load_initial_weights
 from hvd_train.schedule import batching
 from hvd_train.engine import Hooks, fit
 from hvd_train.run.reporting import finish, log_setup
-from hvd_train.run.state import AfterEpoch, RunState, outputs_for, resume
+from hvd_train.run.resume import resume
+from hvd_train.run.state import AfterEpoch, RunState, outputs_for
 from hvd_train.run.tracking import local_mlflow
 from hvd_train.training import close_profiler, write_config_everywhere
 from hvd_utils import elastic
@@ -107,7 +108,8 @@ def train(cfg, rt, data, trainer, loaders):
         outputs.checkpointer.enabled = rank == 0
         outputs.reporter.set_enabled(rank == 0)
         trainer.opts.show_progress = cfg.logging.progress and rank == 0
-        trainer.schedule.lr_scale = batching(cfg, size).lr_scale
+        trainer.batching = batching(cfg, size)  # another number of workers: the arithmetic made anew for it
+        trainer.schedule.lr_scale = trainer.batching.lr_scale
 
     def on_reset():
         hooks.count_reset()

@@ -10,8 +10,9 @@ from hvd_train.errors import CheckpointError
 from hvd_train.feed import Feed
 from hvd_train.regularize import weight_average
 from hvd_train.run.best import visible
-from hvd_train.run.directory import RunDir, write_json
-from hvd_train.run.state import checkpoint_fits, load_everywhere
+from hvd_train.files import write_json
+from hvd_train.run.directory import RunDir
+from hvd_train.run.resume import checkpoint_fits, load_everywhere, resolve
 
 log = logging.getLogger("hvd_train")
 
@@ -20,7 +21,7 @@ def run(cfg, rt):
     train_set, val_set, info = prepare_data(cfg)
     _, val_loader, _ = build_loaders(train_set, val_set, loader_spec(cfg, rt.device), rt.rank, rt.size)
     run_dir = RunDir(cfg.run.output_dir)
-    path = hvd_utils.decide_on_root(lambda: run_dir.resolve(cfg.checkpoint.resume, training=False), "evaluate")
+    path = hvd_utils.decide_on_root(lambda: resolve(run_dir, cfg.checkpoint.resume, training=False), "evaluate")
     if path is None:
         raise CheckpointError(f"--evaluate --resume auto: no checkpoint in {run_dir.checkpoints} to evaluate")
     task = build_task(cfg, info)

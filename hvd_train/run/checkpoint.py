@@ -1,38 +1,30 @@
-"""Checkpoints: everything a run needs to continue exactly, written atomically by rank 0; one save, one load.
+"""Writing checkpoints: everything a run needs to continue exactly, written atomically by rank 0 (read back by
+hvd_train/run/resume.py, the one reader).
 
 A checkpoint holds the model, optimizer and AMP scaler states, the run state (epoch, optimizer steps, best metric,
 per-epoch history), the resolved config and every rank's RNG states (torch's, CUDA's, Python's and NumPy's global
 generator's); the learning rate follows from the epoch.
 Files in <dir>: epoch_NNNN.pt (the newest keep_last), step_NNNNNNNN.pt (the newest checkpoint taken within an
-epoch, named by the run's optimizer steps), last.pt and best.pt. Loading uses torch.load(weights_only=True): a
-checkpoint is data, and a file that would run code on loading is refused.
+epoch, named by the run's optimizer steps), last.pt and best.pt: the names here, the folder's in RunDir.
 """
 import logging
 import os
-import pickle
 import random
 import re
 import shutil
 import stat
 import threading
-import warnings
-import zipfile
 
 import numpy as np
 import torch
 
 from hvd_train.errors import CheckpointError
-from hvd_train.gate import RecordError, plain
+from hvd_train.files import atomic_write, no_link_below, reported_write, temporary_beside
 from hvd_train.guards import interrupt
-from hvd_train.run.directory import (BEST_CHECKPOINT, LAST_CHECKPOINT, atomic_write, no_link_below, reported_write,
-                                     temporary_beside)
+from hvd_train.run.directory import BEST_CHECKPOINT, LAST_CHECKPOINT
 
 log = logging.getLogger("hvd_train")
 VERSION = 1
-# The setting behind each field a checkpoint must share with the run that loads it (run_state.checkpoint_fits).
-FIT_SETTINGS = {"model_name": "--model", "task": "--task", "dataset": "--dataset", "optimizer_name": "--optimizer",
-                "num_classes": "the data set's num_classes", "in_channels": "the data set's in_channels",
-                "image_size": "--image-size"}
 
 
 def seed_generators(seed):
@@ -91,7 +83,7 @@ def _link_or_copy(src, dst):
 EPOCH_FILE = re.compile(r"epoch_(\d+)\.pt")
 BEST_FILE = re.compile(r"best_epoch_(\d+)\.pt")  # --checkpoint-hist: one of the N best epochs
 STEP_FILE = re.compile(r"step_(\d+)\.pt")  # a checkpoint within an epoch, by the run's optimizer steps
-# The temporary file the atomic writer (directory.temporary_beside: tempfile.mkstemp, 8 characters of its alphabet)
+# The temporary file the atomic writer (files.temporary_beside: tempfile.mkstemp, 8 characters of its alphabet)
 # makes beside a checkpoint; a writer killed mid-write leaves one. Nothing else in checkpoints/ is the app's to remove.
 LEFT_BEHIND = re.compile(r"(last|best|epoch_\d{4,}|best_epoch_\d{4,}|step_\d{8,})\.pt\.tmp\.[a-z0-9_]{8}")
 KEPT_TAIL = "; the checkpoints written before are intact, and --resume auto continues from the newest"
@@ -109,46 +101,6 @@ def numbered_files(directory, pattern=EPOCH_FILE):
 def epoch_files(directory):
     """Per-epoch checkpoints in `directory`, oldest first."""
     return numbered_files(directory, EPOCH_FILE)
-
-
-def damage(path):
-    """Why the checkpoint file at `path` cannot be resumed from, or None: cut short (no whole zip archive), or a
-    member whose bytes no longer match their checksum (every member is read)."""
-    try:
-        if not zipfile.is_zipfile(path):
-            return "cut short: not a whole zip archive"
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-        return f"its member {bad} fails its checksum" if bad else None
-    except (OSError, zipfile.BadZipFile, EOFError) as e:
-        return f"unreadable ({e})"
-
-
-def newest_intact(directory):
-    """(the newest checkpoint in `directory` that is whole, or None; [(path, why) of each newer one passed over]).
-    Newest first: last.pt, then the checkpoints taken within an epoch (they outlive only the newest epoch's), then
-    the epochs'."""
-    candidates = [os.path.join(directory, LAST_CHECKPOINT), *numbered_files(directory, STEP_FILE)[::-1],
-                  *epoch_files(directory)[::-1]]
-    passed_over = []
-    for path in candidates:
-        if os.path.isfile(path):
-            why = damage(path)
-            if why is None:
-                return path, passed_over
-            passed_over.append((path, why))
-    return None, passed_over
-
-
-def unfinished_saves(directory):
-    """[(the checkpoint a killed writer was saving, the temporary file it left)] in `directory`, by name: the files
-    (never links) LEFT_BEHIND matches, which the next Checkpointer removes."""
-    if not os.path.isdir(directory):
-        return []
-    return [(os.path.join(directory, name.split(".tmp.")[0]), os.path.join(directory, name))
-            for name in sorted(os.listdir(directory))
-            if LEFT_BEHIND.fullmatch(name) and os.path.isfile(os.path.join(directory, name))
-            and not os.path.islink(os.path.join(directory, name))]
 
 
 def snapshot(obj, copy=True):
@@ -300,79 +252,3 @@ class Checkpointer:
                     os.remove(os.path.join(self.directory, name))
         for old in epoch_files(self.directory)[:-self.keep_last or None]:
             os.remove(old)
-
-
-def unbounded_members(path):
-    """Why reading the torch.save archive at `path` could take more memory than the file holds, or None. torch.save
-    stores every member as it is; torch.load inflates a compressed one in memory whatever its size, so a small file
-    of DEFLATE-compressed zeros would take gigabytes before its contents could be checked."""
-    with zipfile.ZipFile(path) as archive:
-        members = archive.infolist()
-    for member in members:
-        if member.compress_type != zipfile.ZIP_STORED or member.file_size != member.compress_size:
-            return (f"its member {member.filename} is compressed ({member.compress_size:,} bytes that would inflate "
-                    f"to {member.file_size:,}); torch.save stores every member uncompressed")
-    if sum(m.file_size for m in members) > os.path.getsize(path):
-        return "its members claim more bytes than the file holds"
-    return None
-
-
-def load(path):
-    """Read a checkpoint safely (weights_only, every member stored) and check it is one of ours."""
-    if os.path.isdir(path):
-        raise CheckpointError(f"{path}: is a directory; give a checkpoint file such as {path}/last.pt")
-    if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"{path}: not a checkpoint, or one cut short (torch.save writes a zip archive and this "
-                              f"is not a whole one)")
-    unbounded = unbounded_members(path)
-    if unbounded:
-        raise CheckpointError(f"{path}: not a checkpoint torch.save wrote: {unbounded}; it is refused unread")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's notes on pickle protocols, meaningless to a user
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # torch's own message advises weights_only=False, which would run the file's code: not for our users.
-        raise CheckpointError(f"{path}: not an hvd-train checkpoint (it holds Python objects other than tensors "
-                              f"and plain values, and is refused: loading those could run code)") from None
-    except Exception as e:  # a zip archive cut short or damaged
-        raise CheckpointError(f"{path}: damaged or incomplete checkpoint ({type(e).__name__}); resume from an "
-                              f"earlier one in the same directory") from None
-    try:  # the gate (hvd_train/gate.py): its plain values bounded as a tree, shared references counted each time
-        plain(ckpt, path)
-    except RecordError as e:
-        raise CheckpointError(f"{e}; it is refused") from None
-    if not isinstance(ckpt, dict) or ckpt.get("version") != VERSION:
-        raise CheckpointError(f"{path}: not an hvd-train checkpoint (version {VERSION} expected)")
-    return ckpt
-
-
-def check_fits(ckpt, path, expect):
-    """Every setting in `expect` the checkpoint records must match (older checkpoints record fewer)."""
-    for key, value in expect.items():
-        if key in ckpt and ckpt[key] != value:
-            setting = FIT_SETTINGS.get(key, key)
-            raise CheckpointError(f"{path} was written with {key}={ckpt[key]!r}, this run has {key}={value!r}: a "
-                                  f"checkpoint fits only a run with the same {key} ({setting}); use the "
-                                  f"checkpoint's setting, or another file")
-
-
-def read_into(path, model, expect, optimizer=None, ema=None):
-    """Load checkpoint `path` into the model (and the optimizer, and the weights' average, when given) after
-    checking it fits `expect`; returns its other fields (counters, history, scaler, world size, RNG states). A
-    checkpoint without an average starts one from its weights."""
-    ckpt = load(path)
-    check_fits(ckpt, path, expect)
-    try:
-        model.load_state_dict(ckpt["model"])
-        if optimizer is not None:
-            optimizer.load_state_dict(ckpt["optimizer"])
-        if ema is not None and isinstance(ckpt.get("ema"), dict):
-            ema.load_state_dict(ckpt["ema"])
-        elif ema is not None:
-            ema.restart(model)
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path}: its weights do not fit this model ({str(e).splitlines()[0]})")
-    planned = (ckpt.get("config") or {}).get("optim", {}).get("epochs")
-    return {**{k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "config", "ema")},
-            "planned_epochs": planned}

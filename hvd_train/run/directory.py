@@ -1,4 +1,4 @@
-"""The run directory (--output-dir): every file a run writes, how the directory is claimed, and the one writer.
+"""The run directory (--output-dir): the name of every file a run writes, and how the directory is claimed.
 
     <output dir>/config.json        the resolved configuration
     <output dir>/metrics.jsonl      one record per epoch, appended as training goes
@@ -8,14 +8,15 @@
     <output dir>/tensorboard/       TensorBoard events
     <output dir>/checkpoints/       epoch_NNNN.pt, last.pt, best.pt
     <output dir>/profile/           --profile: rank<r>.trace.json (torch.profiler), horovod_timeline.json
-    <output dir>/export/            hvd-train export: model<suffix> and its model card
+    <output dir>/export/            hvd-train export: model<suffix> and its model card (model<suffix>.json)
     <output dir>/mlflow.db          --mlflow without --mlflow-uri: MLflow's store (SQLite) ...
     <output dir>/mlflow-artifacts/  ... and the files of its runs
     <output dir>/wandb/             --wandb: W&B's offline runs
     <output dir>/.hvd-train.lock    while a job runs in it (hvd_train/run/lock.py)
 
-Only rank 0 writes, and every write goes through atomic_write: a reader, or a run killed halfway, sees the old
-file or the new one, never half of one.
+Only rank 0 writes, and every write goes through hvd_train/files.py (atomic_write): a reader, or a run killed
+halfway, sees the old file or the new one, never half of one. Finding and reading the checkpoints here is
+hvd_train/run/resume.py's; writing them, hvd_train/run/checkpoint.py's.
 
 The directory owns its files: nothing a run writes lies outside it, and no symbolic link below it is followed (the
 directory itself may be one, the user's choice). A link planted at a name the run writes into (a folder, a store, the
@@ -24,11 +25,7 @@ curves.png, ...) is renamed over a link planted there, which replaces the link. 
 directory is state from elsewhere, read as data: MLflow's must keep every run's files in mlflow-artifacts/.
 """
 import contextlib
-import errno
-import json
-import logging
 import os
-import re
 import shutil
 import sqlite3
 import stat
@@ -36,18 +33,20 @@ import tempfile
 from urllib.parse import quote, unquote, urlsplit
 
 from hvd_train.errors import CheckpointError
+from hvd_train.files import (first_link_within, missing_parents, no_link_below, one_line, read_json_or_none,
+                             remove_empty, reported_write, write_json)
 from hvd_train.run.lock import NAME as LOCK_NAME, RunLock
 from hvd_train.uris import redact
 
-log = logging.getLogger("hvd_train")
 # The checkpoints that stand for a run: the newest (what --resume auto continues) and the best by the task's metric
 # (what evaluation, export and predict use).
 LAST_CHECKPOINT, BEST_CHECKPOINT = "last.pt", "best.pt"
 
 
 class RunDir:
-    # Every name in the directory is spelled here (tracking.py and tools/export.py take theirs from here).
+    # Every name in the directory is spelled here (tracking.py, resume.py and tools/export.py take theirs from here).
     CHECKPOINTS, TENSORBOARD, PROFILE, EXPORT = "checkpoints", "tensorboard", "profile", "export"
+    EXPORTED = "model"  # export/model<the format's suffix>, and its card beside it
     MLFLOW_DB, MLFLOW_ARTIFACTS, WANDB = "mlflow.db", "mlflow-artifacts", "wandb"  # (W&B names its folder wandb/)
     # SQLite's files beside a database: a journal left there is rolled into the database when it is opened.
     MLFLOW_DB_SIDECARS = (MLFLOW_DB + "-journal", MLFLOW_DB + "-wal", MLFLOW_DB + "-shm")
@@ -91,49 +90,9 @@ class RunDir:
         """checkpoints/<name>: last.pt, best.pt or epoch_NNNN.pt."""
         return os.path.join(self.checkpoints, name)
 
-    def resolve(self, resume, training=True):
-        """The checkpoint named by --resume: a path, or `auto` for the newest intact checkpoint in checkpoints/
-        (last.pt, else the newest whole one beside it, named in one line with why the newer ones were passed over;
-        None when there is none yet, so a job script can always pass --resume auto). A save its writer never finished
-        (killed mid-write: only its temporary file is there) is named in one line too, with the checkpoint resumed
-        from instead (where `training`: --evaluate reads a checkpoint and removes nothing, and may run beside a
-        job whose save is under way). A path is taken as given."""
-        if resume == "auto":
-            from hvd_train.run.checkpoint import newest_intact, unfinished_saves  # they write through this module
-
-            path, passed_over = newest_intact(self.checkpoints)
-            if training:
-                self.say_unfinished(unfinished_saves(self.checkpoints), path)
-            if passed_over:
-                skipped = "; ".join(f"{os.path.relpath(p, self.root)} ({why})" for p, why in passed_over)
-                if path is None:
-                    raise CheckpointError(f"--resume auto: no checkpoint in {self.checkpoints} is whole: {skipped}; "
-                                          f"pass --overwrite to start again, or --resume a checkpoint you have")
-                log.warning("--resume auto: passed over %s; resuming from %s, the newest whole checkpoint", skipped,
-                            os.path.relpath(path, self.root))
-            return path
-        if not os.path.isfile(resume):
-            raise CheckpointError(f"--resume {resume}: no such file")
-        return resume
-
-    def say_unfinished(self, unfinished, path):
-        """One line for the saves whose writer was stopped before the rename ([(file it was to become, temporary
-        file left)]): what was not saved, and what --resume auto continues from instead."""
-        if not unfinished:
-            return
-
-        def rel(p):
-            return os.path.relpath(p, self.root)
-
-        what = "; ".join(f"{rel(target)} (its writer stopped before the rename and left {rel(left)}, which this "
-                         f"run removes)" for target, left in unfinished)
-        if path is None:
-            instead = "no checkpoint was saved before it, so the run starts afresh"
-        elif any(target == path for target, _ in unfinished):
-            instead = f"resuming from {rel(path)} as it was before that save"
-        else:
-            instead = f"resuming from {rel(path)} instead"
-        log.warning("--resume auto: a save was not finished: %s; %s", what, instead)
+    def exported(self, suffix):
+        """export/model<suffix>: hvd-train export's file in a format (suffix: .onnx, .safetensors, ...)."""
+        return os.path.join(self.export, self.EXPORTED + suffix)
 
     def claim(self, resume, overwrite, local_mlflow=False):
         """Take the directory's lock (a job running in it refuses this one), then decide how this run uses it
@@ -191,8 +150,10 @@ class RunDir:
     def _decide(self, resume, overwrite, local_mlflow):
         found = [f for f in self.RUN_FILES if os.path.exists(self.path(f))]
         if resume:
+            from hvd_train.run.resume import resolve  # resume.py reads the names spelled here: imported when used
+
             self.refuse_planted(bool(found), local_mlflow)
-            path = self.resolve(resume)
+            path = resolve(self, resume)
             if path is None and found:
                 raise CheckpointError(f"--resume auto: {self.root} holds a run ({', '.join(found)}) but no "
                                       f"checkpoints/last.pt to continue from; pass --overwrite to replace it, or "
@@ -295,28 +256,6 @@ class RunDir:
                                   f"replace the run with --overwrite")
 
 
-@contextlib.contextmanager
-def reported_write(path, then=""):
-    """Turn a failed write of `path` into one CheckpointError: the file, the cause and the fix (a full disk names
-    the free space; torch.save buries the OSError under its own RuntimeError, so the chain is searched)."""
-    try:
-        yield
-    except Exception as e:
-        cause = e
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        where = os.path.dirname(os.path.abspath(path))
-        if cause.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = shutil.disk_usage(where).free if os.path.isdir(where) else 0
-            why = (f"no space left on the device ({free / 2**20:.1f} MB free in {where}); free space there or "
-                   f"choose another --output-dir")
-        else:
-            why = f"{cause.strerror or cause}; make {where} writable or choose another --output-dir"
-        raise CheckpointError(f"could not write {path}: {why}{then}") from None
-
-
 def write_config(path, cfg):
     """The run's settings (config.json), written whole; a failed write is one CheckpointError."""
     with reported_write(path):
@@ -341,139 +280,3 @@ def check_writable(root, tidy=True):
                               f"this user can create and write") from None
     finally:
         remove_empty(made)
-
-
-def no_link_below(root, path):
-    """Refuse (one CheckpointError naming it) a symbolic link at any component of `path` below the output directory
-    `root`, from root down to path itself: what the run writes lies in root, never where a link planted there points.
-    root itself may be a link (the user's choice on the command line); components that do not exist yet are fine."""
-    root, path = os.path.abspath(root), os.path.abspath(path)
-    below = os.path.relpath(path, root)
-    if below == os.curdir:
-        return
-    if below == os.pardir or below.startswith(os.pardir + os.sep):
-        raise ValueError(f"{path} is not in {root}")
-    here = root
-    for part in below.split(os.sep):
-        here = os.path.join(here, part)
-        try:
-            mode = os.lstat(here).st_mode
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        if stat.S_ISLNK(mode):
-            raise CheckpointError(
-                f"{one_line(here)}: a symbolic link (to {one_line(os.readlink(here))}) inside the output directory "
-                f"{root}: a run writes only into its own directory, never through a link planted there; remove the "
-                f"link (--overwrite removes one at a name it replaces, never what it points to), or choose another "
-                f"--output-dir")
-
-
-def first_link_within(folder):
-    """The first symbolic link anywhere inside `folder` (none is followed), or None."""
-    for top, folders, files in os.walk(folder):  # a link to a folder is listed, never entered
-        for name in sorted(folders + files):
-            if os.path.islink(os.path.join(top, name)):
-                return os.path.join(top, name)
-    return None
-
-
-def one_line(text):
-    """`text` (a name or location found in a directory, which anyone may have chosen) with its control characters
-    escaped, so that a message holding it stays one line."""
-    return re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], text)
-
-
-def missing_parents(path):
-    """The directories makedirs(path) would create, deepest first."""
-    missing = []
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing
-
-
-def remove_empty(made):
-    """Remove directories this run made (deepest first), each only if empty: another process may have written there
-    meanwhile."""
-    for directory in made:
-        try:
-            os.rmdir(directory)
-        except OSError:
-            break
-
-
-PRIVATE = 0o027  # no write for the group, nothing for others: run files 0640, directories 0750
-
-
-def keep_private():
-    """Make every file this process creates from now on readable by its owner and group only (0640, directories
-    0750): run files, checkpoints, TensorBoard events and tracker stores hold a model and settings that are not
-    the whole cluster's business. A stricter umask the user has stays."""
-    os.umask(os.umask(0) | PRIVATE)
-
-
-def temporary_beside(path):
-    """(open file descriptor, name) of a new file beside `path` with an unpredictable name, created exclusively
-    (never through a link someone planted), with the mode the umask gives new files."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=os.path.basename(path) + ".tmp.")
-    os.fchmod(fd, run_file_mode())
-    return fd, tmp
-
-
-def run_file_mode():
-    """The mode of the files a run writes: what the umask gives a new file (0640 under keep_private)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def with_run_mode(path):
-    """Give the file at `path`, written by a library that chose its own mode (safetensors writes 0600), the mode
-    of the run's other files."""
-    os.chmod(path, run_file_mode())
-
-
-def atomic_write(path, write, binary=False, sync=False, root=None):
-    """write(file) into a temporary file beside `path`, then rename it over `path` (a link planted at `path` is
-    replaced, never written through). sync: flush to disk first (checkpoints, which must survive a crash of the
-    machine too). root: the output directory `path` lies in; a link on the way from it to the file is refused."""
-    if root is not None:
-        no_link_below(root, os.path.dirname(os.path.abspath(path)))
-    fd, tmp = temporary_beside(path)
-    try:
-        with os.fdopen(fd, "wb" if binary else "w") as f:
-            write(f)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def write_json(path, obj, root=None):
-    def dump(f):
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    atomic_write(path, dump, root=root)
-
-
-def append_line(path, line, root=None):
-    """Append `line` to the file `path`, created where missing; a link planted at `path` is refused (OSError), never
-    written through, and so is one on the way from the output directory `root` (CheckpointError)."""
-    if root is not None:
-        no_link_below(root, os.path.dirname(os.path.abspath(path)))
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-    with os.fdopen(fd, "a") as f:
-        f.write(line)
-
-
-def read_json_or_none(path):
-    """The JSON object in `path`, or None where there is no such file or it is not valid JSON."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None

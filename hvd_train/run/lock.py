@@ -45,7 +45,7 @@ class RunLock:
             except FileExistsError:
                 holder = self.read()
                 if holder is not None and (holder.get("host"), holder.get("pid")) == (mine["host"], mine["pid"]):
-                    os.remove(self.path)  # this process's own, from a run before in it (hvd_train.run() twice)
+                    os.remove(self.path)  # this process's own, from a run before in it (hvd_train.train() twice)
                     continue
                 reason = self.gone(holder)
                 if reason is None:

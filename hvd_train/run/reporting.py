@@ -14,7 +14,7 @@ import psutil
 
 import hvd_utils
 from hvd_train.run.best import visible
-from hvd_train.run.directory import append_line, atomic_write, no_link_below, reported_write, write_json
+from hvd_train.files import append_line, atomic_write, no_link_below, reported_write, write_json
 from hvd_train.schedule import batching
 from hvd_train.uris import redact_text
 
@@ -136,9 +136,9 @@ def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KB on Linux
 
 
-def build_summary(cfg, rt, task, state, lr, fingerprints, run_dir):
+def build_summary(cfg, rt, task, state, lr, fingerprints, run_dir, scaled):
     """The run's headline figures and its full history (without the task's helpers: metrics.jsonl has them), for
-    summary.json."""
+    summary.json. scaled: the run's Batching (the Trainer's) on rt.size ranks."""
     history = [visible(r, task.hidden()) for r in state.history]
     last = history[-1]
     summary = {
@@ -148,7 +148,7 @@ def build_summary(cfg, rt, task, state, lr, fingerprints, run_dir):
         "compile": cfg.model.compiled_as,
         "threads_per_rank": rt.threads, "dataset": cfg.data.dataset, "model": cfg.model.name, "task": task.name,
         "epochs": cfg.optim.epochs, "batch_size_per_rank": cfg.optim.batch_size,
-        "global_batch_size": batching(cfg, rt.size).global_batch,
+        "global_batch_size": scaled.global_batch,
         "base_lr": cfg.optim.lr, "lr": lr, "lr_schedule": cfg.optim.lr_schedule,
         "best_metric": task.best_metric, "best_value": state.best_metric, "best_epoch": state.best_epoch,
         "best_checkpoint": run_dir.best_checkpoint,
@@ -180,7 +180,7 @@ def build_summary(cfg, rt, task, state, lr, fingerprints, run_dir):
 
 def log_setup(cfg, rt, info, trainer, resumed_epoch):
     """The batch and learning-rate arithmetic, and who is running where: the first thing to check in a log."""
-    scaled = batching(cfg, rt.size)
+    scaled = trainer.batching
     log.info("hvd-train %s: %d rank(s), %d per host, device %s, %d CPU thread(s) per rank, controller %s, "
              "tensor ops %s, fusion %g MB, cycle %g ms", cfg.run.name or "default", rt.size, rt.local_size,
              rt.device, rt.threads, rt.controller, rt.tensor_ops, rt.fusion_threshold_mb, rt.cycle_time_ms)
@@ -217,14 +217,15 @@ def log_setup(cfg, rt, info, trainer, resumed_epoch):
                  "batch again, for eval mode), so epoch 1 takes longer", cfg.model.compile_mode)
 
 
-def log_rescale(cfg, resumed, steps_per_epoch):
+def log_rescale(cfg, resumed, steps_per_epoch, now):
     """One line when a run resumes on another number of ranks than it was checkpointed on (`resumed`: the
-    state's last resume record): the learning rate and the global batch scale with the ranks, and the schedule,
-    which runs by epochs, goes on from the same epoch with another number of steps per epoch."""
+    state's last resume record; `now`: the run's Batching on the ranks it has): the learning rate and the global
+    batch scale with the ranks, and the schedule, which runs by epochs, goes on from the same epoch with another
+    number of steps per epoch."""
     old, new = resumed.get("previous_world_size"), resumed["world_size"]
     if not old or old == new:
         return
-    before, now = batching(cfg, old), batching(cfg, new)
+    before = batching(cfg, old)  # the arithmetic of the run that wrote the checkpoint, on its number of ranks
     log.info("resuming on %d rank(s) a run checkpointed on %d: learning rate %g -> %g, global batch %d -> %d (both "
              "follow the ranks); the schedule goes on by epochs from epoch %d/%d, now of %d steps", new, old, before.lr,
              now.lr, before.global_batch, now.global_batch, resumed["epoch"] + 1, cfg.optim.epochs, steps_per_epoch)
@@ -278,7 +279,7 @@ def finish(cfg, rt, trainer, state, reporter):
     task, lr = trainer.task, cfg.optim.lr * trainer.schedule.lr_scale
     if rt.is_main:
         run_dir = reporter.dir
-        summary = build_summary(cfg, rt, task, state, lr, fingerprints, run_dir)
+        summary = build_summary(cfg, rt, task, state, lr, fingerprints, run_dir, trainer.batching)
         summary.update(regularisation(cfg, state, averaged))
         summary["params_in_sync"] = summary["params_in_sync"] and summary.get("ema_in_sync", True)
         # Each rank's resident memory: its high-water mark, and what it held after its first epoch's steps.

@@ -18,7 +18,6 @@ import torch
 import hvd_utils
 from hvd_train.engine import check_finite
 from hvd_train.guards import interrupt
-from hvd_train.schedule import batching
 
 SAVE, SIGTERM, SIGUSR1, TIME_LIMIT, FAILED = range(5)  # what each rank raises in the step vote
 
@@ -81,7 +80,8 @@ class StepSaves:
         state = self.after_epoch.state
         cfg = self.after_epoch.cfg
         position = {"epoch": epoch, "steps": step, "world_size": hvd_utils.world_size(),
-                    "samples_per_rank": step * batching(cfg, 1).per_rank, "workers": cfg.data.workers,
+                    "samples_per_rank": step * self.after_epoch.trainer.batching.per_rank,
+                    "workers": cfg.data.workers,
                     "seconds": time.perf_counter() - state.epoch_began,
                     "sums": hvd_utils.gather_objects({k: torch.as_tensor(v).tolist() for k, v in sums.items()},
                                                      "step_sums")}  # numbers, and lists for a tensor's sums

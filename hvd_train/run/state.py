@@ -1,7 +1,7 @@
 """What a run has done so far, and what happens after each epoch: the one owner of the history and the best metric.
 
-RunState is written by AfterEpoch (and by a checkpoint when a run resumes), read by the checkpoint and by
-summary.json; nothing else keeps a copy.
+RunState is written by AfterEpoch (and by a checkpoint when a run resumes: hvd_train/run/resume.py), read by the
+checkpoint and by summary.json; nothing else keeps a copy.
 """
 import logging
 import time
@@ -13,13 +13,12 @@ import torch
 
 import hvd_utils
 from hvd_train.guards import interrupt
-from hvd_train.run.checkpoint import VERSION, Checkpointer, read_into, rng_state, set_rng_state
-from hvd_train.errors import CheckpointError
+from hvd_train.run.checkpoint import VERSION, Checkpointer, rng_state
 from hvd_train.run.best import candidate, improved, reached
 from hvd_train.run.model_card import card_for
 from hvd_train.run.reporting import Reporter, seconds_since_start
 from hvd_train.run.directory import RunDir
-from hvd_train.schedule import lr_factor
+from hvd_train.run.resume import checkpoint_fits
 
 log = logging.getLogger("hvd_train")
 
@@ -298,86 +297,3 @@ def outputs_for(cfg, info, task, is_main, state=None, run_dir=None):
                             resumed_history=state.history if state is not None and state.saved_epoch else None,
                             hidden=task.hidden()),
                    checkpoint_fits(cfg, info, task), card_for(cfg, info, task).to_dict())
-
-
-def checkpoint_fits(cfg, info, task, continuing=True):
-    """The settings a checkpoint must share with this run to be loaded into it: the model's shape always; to
-    continue training also the data it was trained on and the optimizer whose state it holds."""
-    fits = {"model_name": cfg.model.name, "task": task.name, "num_classes": info.num_classes,
-            "in_channels": info.in_channels, "image_size": info.image_size}
-    if continuing:
-        fits.update(dataset=cfg.data.dataset, optimizer_name=cfg.optim.optimizer)
-    return fits
-
-
-def resume(path, trainer, state, fits):
-    """Continue from checkpoint `path` on every rank: read_checkpoint, then rank 0's weights and optimizer state to
-    the others (as an elastic run does inside Horovod's loop; train_hvd.py shows that broadcast as its own step)."""
-    read_checkpoint(path, trainer, state, fits)
-    hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
-
-
-def read_checkpoint(path, trainer, state, fits):
-    """Rank 0 reads checkpoint `path` into its model and optimizer (Horovod's broadcast, next, gives them to every
-    rank); every rank gets the weights' average (--model-ema), the scaler, its RNG states where the number of ranks
-    is unchanged, and the run state (the learning rate follows from its epoch). A checkpoint that has reached
-    --epochs is refused: there is nothing to train, and no summary may pretend so."""
-    meta = hvd_utils.decide_on_root(lambda: read_into(path, trainer.model, fits, trainer.optimizer, trainer.ema),
-                                    "checkpoint")
-    if trainer.ema is not None:
-        hvd_utils.broadcast_module(trainer.ema)
-    if meta["epoch"] >= trainer.epochs:
-        raise CheckpointError(f"--resume {path}: nothing to train: the checkpoint is at epoch {meta['epoch']} and "
-                              f"--epochs is {trainer.epochs}; pass a larger --epochs to train further, or "
-                              f"--evaluate --resume {path} to measure it")
-    if trainer.scaler is not None and meta.get("scaler"):
-        trainer.scaler.load_state_dict(meta["scaler"])
-    restore_rng(meta)
-    state.load(meta)
-    state.resumed(path, hvd_utils.world_size(), meta.get("world_size"))
-    say_schedule_change(trainer.schedule, meta.get("planned_epochs"), meta["epoch"])
-    return meta.get("rank_buffers") or {}
-
-
-def restore_rank_buffers(trainer, rank_buffers, partial):
-    """After the broadcast of rank 0's state, each rank's own BatchNorm statistics (of the model and of the
-    average) from a checkpoint taken within an epoch; on another number of ranks than wrote it, their average,
-    said in one line."""
-    averaged = hvd_utils.restore_buffers_by_rank(trainer.model, rank_buffers.get("model"))
-    if trainer.ema is not None:
-        averaged = hvd_utils.restore_buffers_by_rank(trainer.ema.module, rank_buffers.get("ema")) or averaged
-    if averaged:
-        log.info("the checkpoint was taken within epoch %d on %d ranks, whose BatchNorm statistics differ: each of "
-                 "the %d ranks now goes on from their average", partial["epoch"], partial["world_size"],
-                 hvd_utils.world_size())
-
-
-def say_schedule_change(schedule, planned, epoch):
-    """A resume with another --epochs than the checkpoint's run planned changes the cosine schedule from here on
-    (it decays to 0 at the new end): said in one line, with the rate it changes."""
-    c = schedule.cfg
-    if not planned or planned == c.epochs or c.lr_schedule != "cosine":
-        return
-    before = c.lr * schedule.lr_scale * lr_factor(epoch, planned, c.lr_schedule, c.warmup_epochs,
-                                                  1.0 / schedule.lr_scale)
-    log.info("--epochs %d where the checkpoint's run planned %d: the cosine schedule now decays to 0 over %d epochs, "
-             "so the learning rate after epoch %d is %.4g (it was %.4g on the old plan)", c.epochs, planned, c.epochs,
-             epoch, schedule.lr(epoch), before)
-
-
-def load_everywhere(path, model, expect, optimizer=None, ema=None):
-    """Rank 0 loads checkpoint `path` (checked against `expect`: model_name, task, num_classes, dataset, ...), then
-    every rank gets its weights and optimizer state (and the weights' average, under --model-ema): the one loader of
-    resuming, elastic and evaluation runs. Returns the checkpoint's other fields, the same on every rank."""
-    meta = hvd_utils.decide_on_root(lambda: read_into(path, model, expect, optimizer, ema), "checkpoint")
-    hvd_utils.broadcast_state(model, optimizer)
-    if ema is not None:
-        hvd_utils.broadcast_module(ema)
-    return meta
-
-
-def restore_rng(meta):
-    """This rank's RNG states from a checkpoint's, where it was written by as many ranks as there are now (with
-    another number of ranks, rank r's stream would not continue anyway)."""
-    if meta.get("world_size") == hvd_utils.world_size() and meta.get("rng"):
-        set_rng_state(meta["rng"][hvd_utils.rank()])

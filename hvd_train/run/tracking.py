@@ -22,7 +22,8 @@ from importlib import metadata
 from pathlib import Path
 
 from hvd_train.errors import CheckpointError
-from hvd_train.run.directory import RunDir, no_link_below
+from hvd_train.files import no_link_below
+from hvd_train.run.directory import RunDir
 from hvd_train.uris import redact, redact_argument, split_credentials
 
 log = logging.getLogger("hvd_train")

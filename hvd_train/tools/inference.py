@@ -8,11 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hvd_train.run import checkpoint
-from hvd_train.run.directory import BEST_CHECKPOINT, LAST_CHECKPOINT
 from hvd_train.errors import CheckpointError
 from hvd_train.gate import RecordError, plain
 from hvd_train.run.model_card import ModelCard, card_of_checkpoint
+from hvd_train.run import resume
 from hvd_train.trust import TRUST_FLAG
 from hvd_train.weights import SAFETENSORS_HEADER_MAX, safetensors_problem
 
@@ -28,25 +27,11 @@ ONNX_BYTES_PER_INPUT_BYTE = 64
 ONNX_MEMORY_FLOOR = 256 * 2**20
 
 
-def find_checkpoint(source):
-    """The checkpoint `source` names: the file itself, or a run directory's best.pt (last.pt without one)."""
-    if os.path.isdir(source):
-        for name in (BEST_CHECKPOINT, LAST_CHECKPOINT):
-            for folder in (os.path.join(source, "checkpoints"), source):
-                if os.path.isfile(os.path.join(folder, name)):
-                    return os.path.join(folder, name)
-        raise CheckpointError(f"{source}: no checkpoints/best.pt or checkpoints/last.pt in this directory; give a "
-                              f"run's output directory (--output-dir) or a checkpoint file")
-    if not os.path.isfile(source):
-        raise CheckpointError(f"{source}: no such file or directory; give a run's output directory or a checkpoint")
-    return source
-
-
 def load_trained(source, trusted=False):
     """(model on the CPU in eval mode with the weights of the checkpoint `source` names (a file, or a run
     directory's best.pt), its ModelCard, the checkpoint). trusted: --trust-code, which lets the card name code."""
-    path = find_checkpoint(source)
-    ckpt = checkpoint.load(path)
+    path = resume.find_checkpoint(source)
+    ckpt = resume.load(path)
     card = card_of_checkpoint(ckpt, path)
     card.check_code(f"{path} (its model card)", trusted)
     weights = chosen_weights(ckpt)

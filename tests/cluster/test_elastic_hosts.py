@@ -12,7 +12,7 @@ import pytest
 
 from cluster import IFACE, Cluster
 from conftest import BIN, ROOT, WORKERS, read_json
-from hvd_train.run import checkpoint
+from hvd_train.run import resume
 
 # Namespace hosts have fixed names: one cluster at a time (make test runs files side by side).
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("cluster")]
@@ -128,7 +128,7 @@ def test_the_loss_of_the_host_of_rank_0_leaves_a_new_rank_0_writing(three_hosts,
     _, b, c = cluster.hosts
     run_losing_host(cluster, [b, c], b, out)
     # The new rank 0 wrote every epoch's checkpoint after the loss, and the summary.
-    assert checkpoint.load(str(out / "checkpoints" / "last.pt"))["epoch"] == EPOCHS
+    assert resume.load(str(out / "checkpoints" / "last.pt"))["epoch"] == EPOCHS
     metrics = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(metrics) >= EPOCHS
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from hvd_train.run import checkpoint
+from hvd_train.run import checkpoint, resume
 from hvd_train.checks import check_shards
 from hvd_train.errors import EXIT_BAD_DATA, EXIT_FAILED, ConfigError
 from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, find_mpirun, job_env, launch,
@@ -66,7 +66,7 @@ def frozen(launcher, tmp_path, mode):
 
 
 def assert_checkpoint_of_epoch_1_intact(run):
-    assert checkpoint.load(str(run / "checkpoints" / "last.pt"))["epoch"] == 1
+    assert resume.load(str(run / "checkpoints" / "last.pt"))["epoch"] == 1
     assert not (run / "summary.json").exists()
 
 
@@ -116,16 +116,16 @@ def test_killing_the_checkpoint_writer_at_any_moment_leaves_a_loadable_checkpoin
         writer.kill()
         writer.wait()
         writer.stdout.close()
-        last = checkpoint.load(str(tmp_path / "last.pt"))
+        last = resume.load(str(tmp_path / "last.pt"))
         assert last["epoch"] >= last_epoch
         # Whole, and the epoch it names: the writer's weights are arange(n) + epoch.
         assert torch.equal(last["model"]["w"], torch.arange(len(last["model"]["w"]), dtype=torch.float32) +
                            last["epoch"])
         if (tmp_path / "best.pt").exists():
-            assert checkpoint.load(str(tmp_path / "best.pt"))["epoch"] % 4 == 0
+            assert resume.load(str(tmp_path / "best.pt"))["epoch"] % 4 == 0
         written = checkpoint.epoch_files(str(tmp_path))
         for path in written + checkpoint.numbered_files(str(tmp_path), checkpoint.STEP_FILE):
-            checkpoint.load(path)
+            resume.load(path)
         last_epoch = last["epoch"]
     assert last_epoch > 0, "the writer never finished a checkpoint: the test proved nothing"
     checkpoint.Checkpointer(str(tmp_path))

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from hvd_train.run import checkpoint
+from hvd_train.run import resume
 from conftest import (BIN, QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, epochs_in, find_mpirun, job_env,
                       launch_command, read_json, run_app, tensorboard_steps, train_here, wait_for)
 
@@ -59,7 +59,7 @@ def test_a_full_disk_stops_every_rank_with_one_message_and_resuming_keeps_one_re
     assert re.search(r"could not write \S+epoch_0003\.pt: no space left on the device \([\d.]+ MB free", lines[0])
     assert "--resume auto continues from the newest" in lines[0]
     assert "stopping because another rank failed" not in output  # every rank heard of it and stopped with rank 0
-    assert checkpoint.load(str(run / "checkpoints" / "last.pt"))["epoch"] == 2
+    assert resume.load(str(run / "checkpoints" / "last.pt"))["epoch"] == 2
     assert epochs_in(run) == [1, 2]  # no record of the epoch whose checkpoint failed
     resize("64m")
     train("horovodrun-gloo", 2, run, "--epochs", 6, "--resume", "auto")
@@ -143,7 +143,7 @@ def test_an_interrupted_run_says_where_it_stopped_and_resumes_from_there(tmp_pat
         # (137 where the rank that ended first had to be killed after the grace period, on a very busy machine)
         expected = {128 + signum} if passes_it_on else {143, 137} if launcher == "horovodrun-gloo" else {1}
         assert proc.returncode in expected, (proc.returncode, output[-3000:])
-    assert checkpoint.load(str(run / "checkpoints" / "last.pt"))["epoch"] == saved
+    assert resume.load(str(run / "checkpoints" / "last.pt"))["epoch"] == saved
     assert not (run / "summary.json").exists()
     train(launcher, np, run, "--epochs", saved + 1, "--resume", "auto")
     assert epochs_in(run) == list(range(1, saved + 2))
@@ -162,7 +162,7 @@ def test_slurm_s_warning_saves_at_a_step_every_rank_agrees_on_and_exits_to_be_re
     assert proc.returncode == 75, output[-3000:]
     assert re.search(r"train_hvd.py: SIGUSR1 at epoch \d+/300, after \d+ step\(s\) of it: every rank saves a "
                      r"checkpoint at its next step, then stops", output), output[-3000:]
-    last = checkpoint.load(str(run / "checkpoints" / "last.pt"))
+    last = resume.load(str(run / "checkpoints" / "last.pt"))
     position = last["partial"]
     assert last["epoch"] == saved == position["epoch"] - 1 and len(position["sums"]) == 2  # both ranks' sums
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*.pt")) == [f"step_{last['step']:08d}.pt"]
@@ -205,7 +205,7 @@ def test_sigterm_during_a_checkpoint_write_lets_it_finish(tmp_path, launcher):
         (markers / "go").touch()
         output, saved = interrupted(proc, log, signal.SIGTERM)
     assert saved == 2
-    assert checkpoint.load(str(run / "checkpoints" / "last.pt"))["epoch"] == 2
+    assert resume.load(str(run / "checkpoints" / "last.pt"))["epoch"] == 2
 
 
 @pytest.mark.distributed

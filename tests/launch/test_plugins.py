@@ -343,13 +343,13 @@ if __name__ == "__main__":
     gen = torch.Generator().manual_seed(0)
     inputs = torch.randn(320, 3, generator=gen)
     targets = inputs @ torch.tensor([1.0, -2.0, 0.5]) + 0.1
-    sys.exit(hvd_train.run(model=nn.Linear(3, 1), train_set=TensorDataset(inputs, targets), task=Regression()))
+    sys.exit(hvd_train.train(model=nn.Linear(3, 1), train_set=TensorDataset(inputs, targets), task=Regression()))
 '''
 
 
 @pytest.mark.distributed
 def test_a_users_own_script_gets_the_app_through_the_python_api(tmp_path):
-    """A script that builds its model, data and task and calls hvd_train.run(), launched by horovodrun on 2 ranks;
+    """A script that builds its model, data and task and calls hvd_train.train(), launched by horovodrun on 2 ranks;
     the settings come from its command line, and --resume auto continues it."""
     script = tmp_path / "my_train.py"
     script.write_text(USERS_SCRIPT)

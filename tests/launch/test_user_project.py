@@ -36,7 +36,7 @@ class LazyNet(nn.Module):
 
 
 if __name__ == "__main__":
-    sys.exit(hvd_train.run(model=LazyNet()))
+    sys.exit(hvd_train.train(model=LazyNet()))
 '''
 
 
@@ -65,7 +65,7 @@ def test_the_apps_modules_are_not_shadowed_by_a_projects_data_and_models_folders
 
 @pytest.mark.distributed
 def test_a_lazy_plug_in_trains_from_a_script_in_such_a_folder_under_mpirun(project, tmp_path):
-    # hvd_train.run() from the user's own script, whose folder comes first on the module search path.
+    # hvd_train.train() from the user's own script, whose folder comes first on the module search path.
     launch("mpirun", 2, project / "train_lazy.py", *QUIET, "--output-dir", tmp_path / "b", "--epochs", "2",
            "--workers", "1", cwd=project)
     summary = read_json(tmp_path / "b" / "summary.json")

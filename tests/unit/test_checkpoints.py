@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from hvd_train.run import checkpoint
+from hvd_train.run import checkpoint, resume
 from hvd_train.errors import CheckpointError
 from hvd_train.run.directory import RunDir
 
@@ -23,9 +23,9 @@ def test_checkpointer_keeps_last_best_and_the_newest_n(tmp_path):
         saver.save(payload(epoch), epoch, is_best=epoch == 2)
     ckpts = tmp_path / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["best.pt", "epoch_0004.pt", "epoch_0005.pt", "last.pt"]
-    assert checkpoint.load(str(ckpts / "last.pt"))["epoch"] == 5
-    assert checkpoint.load(str(ckpts / "best.pt"))["epoch"] == 2
-    assert run_dir.resolve("auto") == str(ckpts / "last.pt")
+    assert resume.load(str(ckpts / "last.pt"))["epoch"] == 5
+    assert resume.load(str(ckpts / "best.pt"))["epoch"] == 2
+    assert resume.resolve(run_dir, "auto") == str(ckpts / "last.pt")
 
 
 def test_checkpointer_on_other_ranks_writes_nothing(tmp_path):
@@ -39,7 +39,7 @@ def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     expected = torch.rand(3)
     checkpoint.atomic_save({"version": checkpoint.VERSION, "rng": [state]}, str(tmp_path / "c.pt"))
     torch.manual_seed(99)
-    checkpoint.set_rng_state(checkpoint.load(str(tmp_path / "c.pt"))["rng"][0])
+    checkpoint.set_rng_state(resume.load(str(tmp_path / "c.pt"))["rng"][0])
     assert torch.equal(torch.rand(3), expected)
 
 
@@ -55,7 +55,7 @@ def test_every_generator_is_seeded_and_its_state_saved_and_put_back_numpy_s_too(
     checkpoint.atomic_save({"version": checkpoint.VERSION, "rng": [state]}, str(tmp_path / "c.pt"))
     checkpoint.seed_generators(8)
     assert random.random() != expected[1]
-    saved = checkpoint.load(str(tmp_path / "c.pt"))["rng"][0]  # weights_only, through the gate
+    saved = resume.load(str(tmp_path / "c.pt"))["rng"][0]  # weights_only, through the gate
     assert torch.is_tensor(saved["numpy"]["key"]) and saved["numpy"]["key"].dtype == torch.int64
     checkpoint.set_rng_state(saved)
     drawn = (torch.rand(2), random.random(), np.random.rand(3), np.random.randn())
@@ -67,7 +67,7 @@ def test_every_generator_is_seeded_and_its_state_saved_and_put_back_numpy_s_too(
     checkpoint.atomic_save({"version": checkpoint.VERSION, "rng": [older]}, str(tmp_path / "old.pt"))
     checkpoint.seed_generators(8)
     numpy_before = np.random.get_state()[1].copy()
-    checkpoint.set_rng_state(checkpoint.load(str(tmp_path / "old.pt"))["rng"][0])
+    checkpoint.set_rng_state(resume.load(str(tmp_path / "old.pt"))["rng"][0])
     assert torch.equal(torch.rand(2), expected[0]) and np.array_equal(np.random.get_state()[1], numpy_before)
 
 
@@ -80,7 +80,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"version": checkpoint.VERSION, "model": _RunsCode()}, path)
     with pytest.raises(CheckpointError, match="evil.pt"):
-        checkpoint.load(str(path))
+        resume.load(str(path))
     assert not os.path.exists("/tmp/hvd-train-pwned")
 
 
@@ -93,13 +93,13 @@ def test_unreadable_checkpoints_name_the_file(tmp_path, content):
     else:
         path.write_bytes(content)
     with pytest.raises(CheckpointError, match="bad.pt"):
-        checkpoint.load(str(path))
+        resume.load(str(path))
 
 
 def test_resume_paths_that_do_not_exist_are_named_and_auto_may_find_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="no such file"):
-        RunDir(str(tmp_path)).resolve(str(tmp_path / "x.pt"))
-    assert RunDir(str(tmp_path)).resolve("auto") is None
+        resume.resolve(RunDir(str(tmp_path)), str(tmp_path / "x.pt"))
+    assert resume.resolve(RunDir(str(tmp_path)), "auto") is None
 
 
 def make_run(directory):
@@ -173,7 +173,7 @@ def test_resume_auto_names_a_save_its_writer_never_finished_and_what_it_resumes_
     checkpoint.Checkpointer(run_dir.checkpoints).save(payload(1), 1, is_best=False)
     (tmp_path / "checkpoints" / "epoch_0002.pt.tmp.k2j4x9q0").write_bytes(b"half a checkpoint")
     with caplog.at_level(logging.WARNING, logger="hvd_train"):
-        assert run_dir.resolve("auto") == run_dir.last_checkpoint
+        assert resume.resolve(run_dir, "auto") == run_dir.last_checkpoint
     assert [r.getMessage() for r in caplog.records] == [
         "--resume auto: a save was not finished: checkpoints/epoch_0002.pt (its writer stopped before the rename "
         "and left checkpoints/epoch_0002.pt.tmp.k2j4x9q0, which this run removes); resuming from "

@@ -268,7 +268,8 @@ class CallsByKeyword:
 
 @pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
 def test_inputs_given_by_keyword_past_one_left_out_export_by_name_with_the_sequence_free(tmp_path, fmt):
-    from hvd_train.tools.export import described_inputs, model_input, write_onnx, write_torchscript
+    from hvd_train.tools.export import model_input
+    from hvd_train.tools.export_formats import described_inputs, write_onnx, write_torchscript
     from hvd_train.tools.inference import _eager
 
     torch.manual_seed(0)

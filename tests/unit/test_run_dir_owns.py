@@ -20,7 +20,8 @@ from test_handed_over_files import CREDENTIALS, handed_over, one_error_line
 
 from hvd_train.errors import CheckpointError
 from hvd_train.run import checkpoint
-from hvd_train.run.directory import RunDir, append_line, atomic_write, no_link_below
+from hvd_train.files import append_line, atomic_write, no_link_below
+from hvd_train.run.directory import RunDir
 from hvd_train.run.reporting import Reporter
 
 # The fixtures of the handed-over files' tests: a real run directory (one epoch, one process) and a TCP listener on

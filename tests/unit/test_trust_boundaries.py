@@ -35,7 +35,7 @@ from hvd_train.guards import watchdog
 from hvd_train.run.checkpoint import Checkpointer
 from hvd_train.config import parse_config
 from hvd_train.errors import ConfigError
-from hvd_train.run.directory import write_json
+from hvd_train.files import write_json
 
 
 # --------------------------------------------------------------------------------------------------------------------
