@@ -3,7 +3,9 @@ commands (the `webdataset` library opens and unpacks them), with exact epochs.
 
 A shard is a tar of samples, each a group of files with one key: `000042.png` (or .jpg, ...) and `000042.cls` (the
 class index as text). An index (`hvd-train shard` writes `index.json` beside the shards) gives every shard's
-sample count and the facts the model needs (classes, channels, image size, normalization).
+sample count and the facts the model needs (classes, channels, image size, normalization). A shard's files are
+read, bounded, by data/shard_tar.py and made samples by data/shard_samples.py; here they are streamed, batched and
+dealt out.
 
 The plan of an epoch (data/shard_index.py, beside the index it reads) follows from the index, the seed and the epoch
 number alone, so every rank computes the same one without talking to the others:
@@ -18,37 +20,20 @@ number alone, so every rank computes the same one without talking to the others:
 Resuming starts the next epoch of the checkpoint with the same plan an uninterrupted run has, so a resumed run reads
 exactly the samples, in the same order, that one that never stopped reads, and no epoch reads a sample twice.
 """
-import bz2
-import gzip
-import io
-import json
-import lzma
 import os
 import random
-import re
-import tarfile
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from hvd_train.data import photos
 from hvd_train.data.augment import derived_seed, seed_all, seeded
 from hvd_train.data.errors import UNREADABLE_IMAGE, BadSampleError
-from hvd_train.data.images import as_mode
-from hvd_train.data.shard_index import by_worker, check_plan, deal, open_location, train_plan, unreachable
+from hvd_train.data.shard_index import by_worker, check_plan, deal, train_plan, unreachable
+from hvd_train.data.shard_samples import decode, encoded, rebuild
+from hvd_train.data.shard_tar import member_bound, tar_files
 from hvd_train.data.workers import stop_signals_from
-from hvd_train.uris import redact_all
-
-IMAGE_KEYS = ("png", "jpg", "jpeg", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
-# A shard is data from elsewhere, and each of its files is read into memory whole: a file whose tar header declares
-# more than this is refused before it is read (a 10 KB sparse tar, or a 1.4 MB gzip of zeros, can declare 1.5 GB).
-MEMBER_BYTES = 256 * 2**20
-MEMBER_BYTES_VARIABLE = "HVD_MAX_SHARD_MEMBER_BYTES"  # raises (or lowers) that bound, in bytes
-# What tarfile may read for a member's own headers (pax records, GNU long names), which it holds whole: names and
-# attributes take a few hundred bytes in any shard a writer makes.
-HEADER_BYTES = 2**20
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -77,161 +62,6 @@ def transform_for(facts, image_size, train, augment=None):
         steps.append(augmentation.tensor_transform(kind, image_size, facts.get("mean", [0.0] * channels),
                                                    facts.get("std", [1.0] * channels)))
     return T.Compose([step for step in steps if step is not None])
-
-
-def rebuild(sample, shape, url, prefix=""):
-    """A user's sample from its tar fields and the structure the index records (data/shard_writer.py): arrays
-    read with allow_pickle=False, values as JSON, so a shard cannot run code."""
-    if shape == "leaf":
-        try:
-            if prefix + "npy" in sample:
-                return torch.from_numpy(np.load(io.BytesIO(sample[prefix + "npy"]), allow_pickle=False))
-            return json.loads(sample[prefix + "json"])
-        except KeyError:
-            raise BadSampleError(f"shard {url}: sample {sample.get('__key__')} has no field {prefix}npy or "
-                                 f"{prefix}json, which the index's structure names; rewrite the shard") from None
-        except ValueError as e:
-            raise BadSampleError(f"shard {url}: sample {sample.get('__key__')}.{prefix}*: {e}") from None
-    kind, parts = shape
-    if kind == "dict":
-        return {k: rebuild(sample, v, url, f"{prefix}{k}.") for k, v in parts.items()}
-    items = [rebuild(sample, v, url, f"{prefix}{j}.") for j, v in enumerate(parts)]
-    return tuple(items) if kind == "tuple" else items
-
-
-def encoded(sample, url, num_classes=None):
-    """(image bytes, class, the image's field) from one tar sample; the class is a whole number from 0 to
-    num_classes - 1 (the index's facts), else BadSampleError naming the sample: the loss would fail on it mid-epoch."""
-    image_key = next((k for k in IMAGE_KEYS if k in sample), None)
-    if image_key is None or "cls" not in sample:
-        files = sorted(k for k in sample if not k.startswith("__"))
-        raise BadSampleError(f"shard {url}: sample {sample.get('__key__')} has {files}; each needs an image "
-                             f"({', '.join(IMAGE_KEYS[:3])}, ...) and a .cls file")
-    try:
-        label = int(sample["cls"])
-    except ValueError:  # not a number, or one of more digits than Python converts
-        raise BadSampleError(f"shard {redact_all(url)}: sample {str(sample.get('__key__'))[:200]}.cls holds "
-                             f"{bytes(sample['cls'][:40])!r}, not a class number; rewrite the shard") from None
-    if num_classes is not None and not 0 <= label < num_classes:
-        raise BadSampleError(f"shard {redact_all(url)}: sample {str(sample.get('__key__'))[:200]} has class "
-                             f"{label}, outside 0 to {num_classes - 1} (the index's facts say num_classes "
-                             f"{num_classes}); rewrite the shard or its index with `hvd-train shard`")
-    return sample[image_key], label, image_key
-
-
-def decode(sample, url, channels, num_classes=None):
-    """(PIL image, class) from one tar sample."""
-    from PIL import Image
-
-    data, label, image_key = encoded(sample, url, num_classes)
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return as_mode(image, "L" if channels == 1 else "RGB"), label
-    except UNREADABLE_IMAGE as e:
-        raise BadSampleError(f"shard {url}: sample {sample['__key__']}.{image_key} does not decode ({e}); rewrite "
-                             f"the shard") from None
-
-
-def member_bound():
-    """The most bytes one file of a shard may hold: MEMBER_BYTES, or HVD_MAX_SHARD_MEMBER_BYTES where it is set."""
-    text = os.environ.get(MEMBER_BYTES_VARIABLE, "").strip()
-    if not text:
-        return MEMBER_BYTES
-    if not text.isdigit() or not 1 <= int(text) <= 2**50:
-        raise BadSampleError(f"{MEMBER_BYTES_VARIABLE}={text[:40]!r}: give the most bytes one file of a shard may "
-                             f"hold, a whole number from 1 (default {MEMBER_BYTES:,})")
-    return int(text)
-
-
-def too_large(shown, what, size, bound):
-    return BadSampleError(f"shard {shown}: {what} {size:,} bytes, more than the {bound:,} one file of a shard may "
-                          f"take here; it is refused unread. If you trust this shard, raise the bound with "
-                          f"{MEMBER_BYTES_VARIABLE}")
-
-
-class Inflated:
-    """A shard's bytes as tarfile reads them, after any decompression, counted as they are read: tarfile holds a
-    member's headers whole (pax records, long names) before any header can be checked, so between two members it
-    may read that member's declared size and HEADER_BYTES of the next one's headers, no more."""
-
-    def __init__(self, stream, shown, bound):
-        self.stream, self.shown, self.bound = stream, shown, bound
-        self.count, self.limit = 0, HEADER_BYTES
-
-    def read(self, size=-1):
-        data = self.stream.read(size)
-        self.count += len(data)
-        if self.count > self.limit:  # the member's data is within its declared size: the headers after it are not
-            raise BadSampleError(f"shard {self.shown}: a member's headers (pax records, long names) take more than "
-                                 f"{HEADER_BYTES:,} bytes, which tarfile would hold whole; no shard writer makes "
-                                 f"those, and the shard is refused before they are read; rewrite it with "
-                                 f"`hvd-train shard`")
-        return data
-
-    def member(self, size):
-        """tarfile has read a member's header, which declares `size` bytes: its data and the next headers may come."""
-        self.limit = self.count + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE + HEADER_BYTES
-
-
-class Prefixed:
-    """A stream whose first bytes were read (to tell its compression) and are given again."""
-
-    def __init__(self, stream, head):
-        self.stream, self.head = stream, head
-
-    def read(self, size=-1):
-        if not self.head:
-            return self.stream.read(size)
-        if size is None or size < 0:
-            data, self.head = self.head + self.stream.read(), b""
-            return data
-        data, self.head = self.head[:size], self.head[size:]
-        return data
-
-
-def uncompressed(stream):
-    """`stream` inflated where it is compressed as tarfile's "r|*" tells (gzip, bzip2, xz), read as it is read."""
-    head = b""
-    while len(head) < 6:
-        more = stream.read(6 - len(head))
-        if not more:
-            break
-        head += more
-    stream = Prefixed(stream, head)
-    if head.startswith(b"\x1f\x8b\x08"):
-        return gzip.GzipFile(fileobj=stream, mode="rb")
-    if head.startswith(b"BZh"):
-        return bz2.BZ2File(stream)
-    if head.startswith((b"\xfd7zXZ", b"\x5d\x00\x00\x80")):
-        return lzma.LZMAFile(stream)
-    return stream
-
-
-META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata files, which it skips
-
-
-def tar_files(url, bound):
-    """{"fname", "data", "__url__"} of each regular file of the tar shard at `url`, then {} (webdataset's
-    tar_file_expander, for its group_by_keys), each file bounded: refused (BadSampleError, naming the shard and the
-    bound) where its header declares more than `bound` bytes, before it is read, and the inflated stream counted as
-    it is read (Inflated)."""
-    shown = redact_all(url)
-    counted = Inflated(uncompressed(open_location(url)), shown, bound)
-    stream = tarfile.open(fileobj=counted, mode="r|")
-    for info in stream:
-        if info.size > bound:
-            raise too_large(shown, f"member {info.name[:200]!r} declares", info.size, bound)
-        counted.member(info.size)
-        if info.issparse():  # holes tarfile fills with zeros: a few bytes of file for any size; no writer makes one
-            raise BadSampleError(f"shard {shown}: member {info.name[:200]!r} is a sparse file, which no shard writer "
-                                 f"makes; rewrite the shard with `hvd-train shard`")
-        meta = META.match(info.name) or ("/" not in info.name and info.name.startswith("__")
-                                         and info.name.endswith("__"))
-        if not info.isreg() or meta:
-            continue
-        yield {"fname": info.name, "data": stream.extractfile(info).read(), "__url__": url}
-        stream.members = []  # as webdataset: a stream of a million members keeps none of them
-    yield {}
 
 
 @dataclass(frozen=True)

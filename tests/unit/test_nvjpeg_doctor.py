@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import BIN, ROOT, job_env
-from hvd_train.tools import doctor
+from hvd_train.tools import doctor, doctor_checks
 from hvd_train.tools.doctor_probes import PROBE
 
 H200 = ("NVIDIA H200", (9, 0))
@@ -29,19 +29,19 @@ FALLBACK = "--data.decode gpu decodes on the CUDA cores"
     ("NVIDIA GB200", (10, 0), True), ("NVIDIA B300", (10, 3), True), ("NVIDIA Thor", (11, 0), True),
     ("NVIDIA RTX PRO 6000 Blackwell", (12, 0), True), ("a GPU of 2030", (13, 0), None)])
 def test_which_gpus_have_hardware_jpeg_engines(name, capability, engines):
-    assert doctor.jpeg_engines(capability) is engines, name
+    assert doctor_checks.jpeg_engines(capability) is engines, name
 
 
 def test_an_h200_with_the_video_libraries_has_the_hardware_decoder():
-    assert doctor.nvjpeg_check(*H200, "compute,utility,video", True) == \
+    assert doctor_checks.nvjpeg_check(*H200, "compute,utility,video", True) == \
         ("ok", "hardware decoder available (NVIDIA H200; driver video libraries present)", "")
     # Outside a container (no variable) and with `all`, the library is what counts.
-    assert doctor.nvjpeg_check(*H200, None, True)[:2] == doctor.nvjpeg_check(*H200, "all", True)[:2] == \
+    assert doctor_checks.nvjpeg_check(*H200, None, True)[:2] == doctor_checks.nvjpeg_check(*H200, "all", True)[:2] == \
         ("ok", "hardware decoder available (NVIDIA H200; driver video libraries present)")
 
 
 def test_an_h200_in_a_container_without_the_video_capability_is_warned_with_the_fix():
-    status, detail, fix = doctor.nvjpeg_check(*H200, "compute,utility", False)
+    status, detail, fix = doctor_checks.nvjpeg_check(*H200, "compute,utility", False)
     assert status == "WARN"
     assert detail == ("hardware decoder not available: this container lacks the driver's video capability "
                       f"(NVIDIA_DRIVER_CAPABILITIES=compute,utility); {FALLBACK}")
@@ -50,14 +50,14 @@ def test_an_h200_in_a_container_without_the_video_capability_is_warned_with_the_
 
 @pytest.mark.parametrize("capabilities", ["compute,utility,video", "all", "compute, video"])
 def test_a_container_that_asks_for_video_but_has_no_video_library_says_the_driver_lacks_it(capabilities):
-    status, detail, fix = doctor.nvjpeg_check(*H200, capabilities, False)
+    status, detail, fix = doctor_checks.nvjpeg_check(*H200, capabilities, False)
     assert status == "WARN" and f"NVIDIA_DRIVER_CAPABILITIES={capabilities} names video" in detail
     assert "libnvcuvid.so.1 does not load" in detail and detail.endswith(FALLBACK)
     assert "libnvidia-decode" in fix and "NVIDIA Container Toolkit" in fix
 
 
 def test_a_host_outside_a_container_without_the_video_library_is_told_to_install_it():
-    status, detail, fix = doctor.nvjpeg_check(*H200, None, False)
+    status, detail, fix = doctor_checks.nvjpeg_check(*H200, None, False)
     assert status == "WARN" and detail == f"hardware decoder not available: the driver's libnvcuvid.so.1 does not " \
                                           f"load; {FALLBACK}"
     assert "libnvidia-decode" in fix and "video driver capability (docker/README.md)" in fix
@@ -65,18 +65,18 @@ def test_a_host_outside_a_container_without_the_video_library_is_told_to_install
 
 @pytest.mark.parametrize("capabilities, video_library", [("compute,utility", False), ("all", True), (None, False)])
 def test_a_gpu_without_jpeg_engines_is_no_problem_whatever_the_container(capabilities, video_library):
-    assert doctor.nvjpeg_check("Tesla T4", (7, 5), capabilities, video_library) == \
+    assert doctor_checks.nvjpeg_check("Tesla T4", (7, 5), capabilities, video_library) == \
         ("ok", f"no hardware decoder: the Tesla T4 (sm_75) has no hardware JPEG engine; {FALLBACK}", "")
 
 
 def test_a_gpu_newer_than_the_list_is_said_to_be_unknown():
-    status, detail, _ = doctor.nvjpeg_check("a GPU of 2030", (13, 0), "compute,utility", False)
+    status, detail, _ = doctor_checks.nvjpeg_check("a GPU of 2030", (13, 0), "compute,utility", False)
     assert status == "ok" and detail.startswith("hardware decoder unknown: the a GPU of 2030 (sm_130)")
     assert detail.endswith("the driver's video libraries are missing")
 
 
 def test_a_mig_instance_is_available_only_if_its_profile_has_engines():
-    _, detail, _ = doctor.nvjpeg_check("NVIDIA H100 80GB HBM3 MIG 1g.10gb", (9, 0), "all", True)
+    _, detail, _ = doctor_checks.nvjpeg_check("NVIDIA H100 80GB HBM3 MIG 1g.10gb", (9, 0), "all", True)
     assert detail.startswith("hardware decoder available if this MIG instance's profile has JPEG engines")
 
 
@@ -94,13 +94,13 @@ def gpu_host_facts(**overrides):
 def test_check_host_adds_the_row_for_a_gpu_host_from_the_probes_facts():
     facts, reference = gpu_host_facts()
     report = doctor.Report()
-    doctor.check_host(report, "node1", 1, facts, reference, doctor.parse_args(["-H", "node1:1"]))
+    doctor_checks.check_host(report, "node1", 1, facts, reference, doctor.parse_args(["-H", "node1:1"]))
     rows = [r for r in report.rows if r[1] == "nvjpeg"]
-    assert rows == [("node1", "nvjpeg", *doctor.nvjpeg_check("NVIDIA H200", (9, 0), "compute,utility", False))]
+    assert rows == [("node1", "nvjpeg", *doctor_checks.nvjpeg_check("NVIDIA H200", (9, 0), "compute,utility", False))]
     # The same facts from a host without a GPU: no row.
     facts, reference = gpu_host_facts(gpus=0, gpu_model=None)
     report = doctor.Report()
-    doctor.check_host(report, "node1", 1, facts, reference, doctor.parse_args(["-H", "node1:1"]))
+    doctor_checks.check_host(report, "node1", 1, facts, reference, doctor.parse_args(["-H", "node1:1"]))
     assert "nvjpeg" not in [r[1] for r in report.rows]
 
 
@@ -164,5 +164,5 @@ def test_the_gpu_image_gives_its_containers_the_drivers_video_capability():
     env = dockerfile_env(ROOT / "docker" / "Dockerfile.gpu")
     assert env.get("NVIDIA_DRIVER_CAPABILITIES") == "compute,utility,video", env
     # What the doctor would say on an H200 inside it, were the video library missing: not that the image lacks it.
-    _, detail, _ = doctor.nvjpeg_check(*H200, env["NVIDIA_DRIVER_CAPABILITIES"], False)
+    _, detail, _ = doctor_checks.nvjpeg_check(*H200, env["NVIDIA_DRIVER_CAPABILITIES"], False)
     assert "lacks the driver's video capability" not in detail
