@@ -51,7 +51,7 @@ def main(argv=None, cfg=None):
     scaled = training.batching(cfg, rt.size)
     optimizer = training.optimizer(cfg, model, lr=scaled.lr)
     optimizer = hvd_utils.distributed_optimizer(optimizer, model, **training.allreduce_options(cfg))
-    trainer = training.trainer(cfg, data.info, rt, model, task, optimizer)
+    trainer = training.trainer(cfg, data.info, rt, model, task, optimizer, scaled)
 
     if cfg.horovod.elastic:  # workers come and go: the claim, Horovod's state sync (its broadcast) and fit run
         return elastic.train(cfg, rt, data, trainer, loaders)  # inside Horovod's elastic loop

@@ -43,7 +43,7 @@ SUBCOMMANDS = {
 def cli(train=None):
     """`hvd-train [SUBCOMMAND] ...` and `python train_hvd.py ...`: a subcommand, or a training run of `train`
     (the recipe's main; by default the app's own train_hvd.py, recipe_main). Exits with the code."""
-    keep_private()  # files this process writes: owner and group only (hvd_train/run/directory.py)
+    keep_private()  # files this process writes: owner and group only (hvd_train/files.py)
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     if command in SUBCOMMANDS:
         module = importlib.import_module(SUBCOMMANDS[command][0])
