@@ -64,6 +64,8 @@ def recipe_main():
         return loaded.main
     # The user's own train_hvd keeps its name; the app's recipe is then loaded under a name of the package's.
     name = "train_hvd" if loaded is None else "hvd_train._recipe"
+    if name in sys.modules:
+        return sys.modules[name].main
     spec = importlib.util.spec_from_file_location(name, RECIPE)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

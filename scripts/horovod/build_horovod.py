@@ -340,6 +340,8 @@ def check_prerequisites(plan, offline):
         problems.append("no C++ compiler (Debian: apt-get install g++ make)")
     if not shutil.which("make"):
         problems.append("no 'make' (Debian: apt-get install make)")
+    if not shutil.which("patch"):
+        problems.append("no 'patch' (GNU patch applies Horovod's patches; Debian: apt-get install patch)")
     if not shutil.which("cmake", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")):
         problems.append("no cmake (3.13 or newer): pip install cmake, or your system's package")
     for module in ("setuptools", "wheel"):

@@ -9,7 +9,9 @@ The series is applied by GNU patch, each patch checked (--dry-run) and then appl
 sdist stops the build instead of building something half-patched. The whole series is first applied to a scratch
 copy of the files it edits; the tree is written only once every patch applied there.
 """
+import functools
 import hashlib
+import re
 import shutil
 import subprocess
 import tempfile
@@ -26,6 +28,7 @@ SHM_ALLREDUCE_HEADER = HERE / "shm_allreduce.h"
 SHM_ALLREDUCE_FILE = "horovod/common/ops/hvdt_shm_allreduce.h"
 # Exactly where the hunks say, or not at all: no fuzz, no reversed patches, no backup or reject files.
 PATCH = ("patch", "-p1", "--forward", "--batch", "--fuzz=0", "--no-backup-if-mismatch", "--reject-file=-")
+OFF_TARGET = re.compile(r"\(offset -?\d+ lines?\)|with fuzz")
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,8 @@ def read_patch(path):
     files = []
     for at in range(first, len(lines)):
         if lines[at].startswith("diff --git "):
-            old = lines[at + 2] if lines[at + 1].startswith("index ") else lines[at + 1]
+            after = lines[at + 1:at + 3]
+            old = after[1] if after and after[0].startswith("index ") and len(after) > 1 else (after or [""])[0]
             if not old.startswith("--- a/"):
                 die(f"{path}: line {at + 1}: expected '--- a/PATH' in the diff of {lines[at][11:]!r}. A patch here "
                     "edits files the sdist has, as `git diff` writes it (no new, deleted, renamed or binary files)")
@@ -72,8 +76,10 @@ def read_patch(path):
     return Patch(Path(path).name, Path(path), header, tuple(dict.fromkeys(files)))
 
 
+@functools.lru_cache(maxsize=None)
 def patch_command():
-    if shutil.which("patch") is None:
+    version = subprocess.run(["patch", "--version"], capture_output=True, text=True) if shutil.which("patch") else None
+    if version is None or "GNU patch" not in version.stdout:
         die("GNU patch is needed to apply Horovod's patches (Debian and Ubuntu: apt-get install patch; it comes "
             "with build-essential)")
     return PATCH
@@ -84,8 +90,8 @@ def apply_one(src_dir, patch):
     for flags in (("--dry-run",), ()):
         proc = subprocess.run([*patch_command(), *flags, "-d", str(src_dir), "-i", str(patch.path)],
                               capture_output=True, text=True)
-        if proc.returncode != 0:
-            told = (proc.stdout + proc.stderr).strip()
+        told = (proc.stdout + proc.stderr).strip()
+        if proc.returncode != 0 or OFF_TARGET.search(told):  # patch takes a hunk found lines away: not here
             die(f"patch {patch.name} does not apply to {', '.join(patch.files)}:\n{told}\nNothing was changed. "
                 "The series is made against PyPI's sdist as the patches before it leave it; a different tree needs "
                 "its own.")

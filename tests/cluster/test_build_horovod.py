@@ -115,6 +115,17 @@ def test_a_tree_that_does_not_match_stops_naming_the_patch_and_file_before_chang
     assert file_digests(src) == before
 
 
+def test_a_hunk_that_would_land_lines_away_from_where_it_says_stops_the_build(sdist, tmp_path):
+    # GNU patch takes such a hunk with an offset and exits 0; the build must not.
+    src = build_horovod.extract_sdist(sdist, tmp_path)
+    cmake = src / "CMakeLists.txt"  # the first patch's file
+    cmake.write_text("# one more line\n" + cmake.read_text())
+    before = file_digests(src)
+    with pytest.raises(SystemExit, match="(?s)patch 0001-cxx-standard-from-torch.patch does not apply.*offset 1 line"):
+        patching.apply_series(src)
+    assert file_digests(src) == before
+
+
 def test_a_series_naming_a_missing_patch_or_holding_an_unreadable_one_stops_with_its_name(tmp_path):
     shutil.copytree(patching.PATCH_DIR, tmp_path / "patches")
     (tmp_path / "patches" / "series").write_text("0001-cxx-standard-from-torch.patch\n0099-gone.patch\n")

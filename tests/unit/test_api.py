@@ -86,6 +86,15 @@ def test_a_projects_own_folders_and_recipe_never_shadow_the_apps(tmp_path):
         "sys.exit(hvd_train.train(argv=['--help']))\n")
     project.joinpath("train_hvd.py").unlink()
     assert "--batch-size" in run_in(project, "mine.py")
+    # A user's own train_hvd, imported first, keeps its name and its code; the app's recipe runs beside it.
+    (project / "train_hvd.py").write_text("MINE = True\n")
+    (project / "first.py").write_text(
+        "import sys, train_hvd, hvd_train, hvd_train.app\n"
+        "main = hvd_train.app.recipe_main()\n"
+        "assert main is hvd_train.app.recipe_main() and sys.modules['train_hvd'].MINE\n"
+        "assert sys.modules['hvd_train._recipe'].__file__ == str(hvd_train.app.RECIPE)\n"
+        "sys.exit(hvd_train.train(argv=['--help']))\n")
+    assert "--batch-size" in run_in(project, "first.py")
     shadowing_project(tmp_path / "other")
     (tmp_path / "other" / "mine.py").write_text(
         "import sys, hvd_train\nsys.exit(hvd_train.train(argv=['--help']))\n")
