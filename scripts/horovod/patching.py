@@ -64,8 +64,9 @@ def read_patch(path):
     files = []
     for at in range(first, len(lines)):
         if lines[at].startswith("diff --git "):
-            after = lines[at + 1:at + 3]
-            old = after[1] if after and after[0].startswith("index ") and len(after) > 1 else (after or [""])[0]
+            below = lines[at + 1:at + 3]  # an index line may come before the '--- a/PATH' one
+            below = below[1:] if below[:1] and below[0].startswith("index ") else below
+            old = below[0] if below else ""
             if not old.startswith("--- a/"):
                 die(f"{path}: line {at + 1}: expected '--- a/PATH' in the diff of {lines[at][11:]!r}. A patch here "
                     "edits files the sdist has, as `git diff` writes it (no new, deleted, renamed or binary files)")
