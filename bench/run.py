@@ -13,6 +13,7 @@ runs/bench/<date>.json and .md (runs/ is ignored by git; --results-dir puts them
     python bench/run.py --sections checkpoint   # the training step's stall per checkpoint, in the step vs background
     python bench/run.py --sections shard   # --shard-optimizer (ZeRO-1) against the whole state on every rank
     python bench/run.py --sections memory  # each rank's resident memory in training runs with checkpoints, sharded
+    python bench/run.py --sections timing  # what the per-rank step time accounting costs, on and off
 """
 import argparse
 import datetime
@@ -33,7 +34,7 @@ from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row
 PY = sys.executable
 BIN = os.path.dirname(PY)
 SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "mpi", "tuning", "compile", "accuracy", "data",
-            "pipeline", "recipe", "checkpoint", "shard", "memory")
+            "pipeline", "recipe", "checkpoint", "shard", "memory", "timing")
 APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
 APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
 # Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
@@ -537,6 +538,34 @@ def section_checkpoint(b):
                       "wait", "<= 0.2", [r[1] for r in runs["background"]], [r[1] for r in runs["step"]], unit="s"),
             ratio_row(f"checkpoint cost per save, {setting}", "background / in the step: the epoch's extra time "
                       "against no saves", "<= 0.2", extra("background"), extra("step"), unit="s")]
+
+
+def section_timing(b):
+    """What the per-rank step time accounting costs (hvd_train/timing.py): 2 ranks under horovodrun (Gloo), with it
+    and without it (--logging.step_timing false), alternated. The benchmark's training step (small_cnn at 28 px),
+    and a short training run on the digits (its epoch's rate, which holds the once-an-epoch gather too)."""
+    env = job_env()
+    launcher = horovodrun(2, "gloo")
+
+    def bench(on):
+        return b.app(launcher, "small_cnn", 28, 32, b.fast_steps, env,
+                     ["--logging.step_timing", str(on).lower()])["img_per_sec_total"]
+
+    def train(on):
+        out = b.out(f"timing-{on}")
+        run(launcher + ["train_hvd.py", "--epochs", "1" if b.args.quick else "2", "--output-dir", out,
+                        "--logging.progress", "false", "--logging.tensorboard", "false", "--logging.plot", "false",
+                        "--logging.step_timing", str(on).lower()], env)
+        with open(os.path.join(out, "summary.json")) as f:
+            return json.load(f)["train_samples_per_sec"]
+
+    xs, ys = b.alternate(lambda: bench(True), lambda: bench(False))
+    rows = [ratio_row("step timing cost, --benchmark small_cnn 28px batch 32, 2 ranks", "accounting on / off",
+                      ">= 0.99", xs, ys)]
+    xs, ys = b.alternate(lambda: train(True), lambda: train(False))
+    rows.append(ratio_row("step timing cost, digits training, 2 ranks", "accounting on / off", ">= 0.99", xs, ys,
+                          unit="samples/s"))
+    return rows
 
 
 def section_shard(b):

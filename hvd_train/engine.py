@@ -20,6 +20,7 @@ from hvd_train.run.best import averages, visible
 from hvd_train.progress import Progress, on_terminal
 from hvd_train.batches import autocast, split_batch
 from hvd_train.feed import Feed
+from hvd_train import timing
 
 log = logging.getLogger("hvd_train")
 
@@ -35,12 +36,14 @@ class StepOptions:
     progress_every: float = 60.0  # seconds between progress lines when stderr is not a terminal
     terminal: bool = False        # stderr reaches a terminal (directly or through the launcher): a bar
     divergence_factor: float = 100.0  # an epoch's train loss above this x the first step's stops the run; 0: off
+    straggler_pct: float = 20.0   # a rank whose own work per step is this % above the median rank's is named
 
     @classmethod
     def from_config(cls, cfg, is_main):
         show = is_main and cfg.logging.progress
         return cls(cfg.horovod.batches_per_allreduce, cfg.optim.amp, cfg.optim.clip_grad, cfg.logging.log_every,
-                   show, cfg.logging.progress_every, show and on_terminal(), cfg.run.divergence_factor)
+                   show, cfg.logging.progress_every, show and on_terminal(), cfg.run.divergence_factor,
+                   cfg.logging.straggler_pct)
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Trainer:
     # hvd_train.schedule.Batching of the ranks it trains on, made once by training.trainer (an elastic run's when
     # the workers change): what the reports, the checkpoints within epochs and the benchmark read.
     batching: Optional[object] = None
+    clock: Optional[object] = None  # hvd_train.timing.StepClock: where this rank's step time goes
 
 
 class Hooks:
@@ -123,6 +127,7 @@ def train_step(trainer, batch):
     the averaged gradients, not this rank's.
     """
     t, opts = trainer, trainer.opts
+    clock = t.clock or timing.OFF
     t.optimizer.zero_grad()  # Horovod's wrapper takes no arguments; torch's default sets the gradients to None
     sums = {}
     n = t.task.samples(batch)
@@ -136,6 +141,7 @@ def train_step(trainer, batch):
             sums[key] = sums[key] + value if key in sums else value
 
     def before_step():
+        clock.mark(timing.WAIT)  # Horovod handed back the averaged gradients (Adasum: this rank's own)
         if t.scaler is not None:
             hvd_utils.unscale_gradients(t.scaler, t.optimizer)
         if opts.clip_grad > 0:
@@ -143,11 +149,13 @@ def train_step(trainer, batch):
 
     step = (lambda: t.scaler.step(t.optimizer)) if t.scaler is not None else t.optimizer.step
     watchdog.tick()  # backward done: what is left waits on the other ranks' gradients
+    clock.mark(timing.COMPUTE)
     hvd_utils.apply_gradients(t.optimizer, step, before_step)
     if t.scaler is not None:
         t.scaler.update()
     if t.ema is not None:  # on every rank, from the same weights: the averages stay identical
         t.ema.update(t.model)
+    clock.mark(timing.OPTIMIZER)
     return sums
 
 
@@ -176,8 +184,11 @@ def train_one_epoch(trainer, loader, epoch, hooks):
     # A bar where a person watches a terminal; whole lines every progress_every seconds in a log.
     progress = Progress(epoch, t.epochs, steps, opts.show_progress, opts.progress_every, opts.terminal, done)
     start, seen_before = time.perf_counter(), float(carried.get("count", 0.0))
+    clock = t.clock or timing.OFF
+    clock.begin()
     for step, batch in enumerate(feed_of(t).batches(loader, epoch, done + 1), done + 1):
         watchdog.tick()  # a batch in hand
+        clock.mark(timing.DATA)
         t.schedule.apply(t.optimizer, hooks.position(epoch, step - 1, steps))
         if t.mixing is not None:
             batch = t.mixing(batch, epoch, step)
@@ -198,6 +209,7 @@ def train_one_epoch(trainer, loader, epoch, hooks):
                        "samples_s": f"{seen / (time.perf_counter() - start):.0f}"}
         progress.update(step, **figures)
         hooks.after_step(epoch, step, steps, total)
+        clock.step_done()
     progress.close()
     return total
 
@@ -303,23 +315,39 @@ class EpochTiming:
     first_loss: Optional[float] = None  # the run's first step's loss, for the divergence check
 
 
-def close_epoch(trainer, train_sums, val_loader, timing):
+def close_epoch(trainer, train_sums, val_loader, at):
     """After an epoch's steps, on every rank: reduce the training sums, agree on BatchNorm statistics, validate,
     log one line; returns the epoch's record. (After an elastic reset mid-epoch the training sums cover the steps
     since the reset; validation is always complete.)"""
     t = trainer
     train = t.task.finish(averages(reduce_sums(t.task, train_sums, name="train_sums")))
-    check_divergence(train, timing.epoch, timing.first_loss, t.opts.divergence_factor)
-    epoch_seconds = time.perf_counter() - timing.start
+    check_divergence(train, at.epoch, at.first_loss, t.opts.divergence_factor)
+    epoch_seconds = time.perf_counter() - at.start
     hvd_utils.average_buffers(t.model)  # BatchNorm statistics agree before validation and checkpoints
     val = evaluate_all(t.model, t.task, val_loader, feed_of(t), t.opts.amp)
-    record = epoch_record(timing.epoch, timing.lr, epoch_seconds, train, val)
+    record = epoch_record(at.epoch, at.lr, epoch_seconds, train, val)
+    lines = account_time(t, record)
     if t.ema is not None:  # the average, validated beside the weights (its statistics agree first, as theirs)
         hvd_utils.average_buffers(t.ema.module)
         ema = evaluate_all(t.ema.module, t.task, val_loader, feed_of(t), t.opts.amp)
         record.update({f"val_ema_{k}": v for k, v in ema.items()})
-    log.info(format_record(timing.epoch, t.epochs, train, val, record, t.task.shown, t.task.helpers))
+    log.info(format_record(at.epoch, t.epochs, train, val, record, t.task.shown, t.task.helpers))
+    for line in lines:
+        log.info(line)
     return record
+
+
+def account_time(trainer, record):
+    """Every rank's step time by phase (one small gather, on every rank), into the record; returns the lines rank 0
+    adds to the epoch line: a straggler named, or the job found communication-bound."""
+    clock = trainer.clock
+    if clock is None or not clock.enabled:
+        return []
+    acc = timing.account(timing.gather(clock))
+    record["timing"] = acc
+    record.update(timing.figures(acc))
+    line = timing.straggler(acc, trainer.opts.straggler_pct) or timing.comm_bound(acc)
+    return [line] if line else []
 
 
 def epoch_record(epoch, lr, epoch_seconds, train, val):
@@ -344,5 +372,6 @@ def format_record(epoch, epochs, train, val, record, shown=None, helpers=()):
 
     ema = {k[8:]: v for k, v in record.items() if k.startswith("val_ema_")}
     averaged = f"  val(ema) {terms(ema)}" if ema else ""
+    split = f"  {timing.split_line(record['timing']['ranks'])}" if "timing" in record else ""
     return (f"epoch {epoch}/{epochs}  train {terms(train)}  val {terms(val)}{averaged}  lr {record['lr']:.4g}  "
-            f"{record['samples_per_sec']:.0f} samples/s  {record['epoch_seconds']:.2f}s")
+            f"{record['samples_per_sec']:.0f} samples/s  {record['epoch_seconds']:.2f}s{split}")

@@ -175,6 +175,11 @@ class Cluster:
                  seconds=60)
         sh("ip", "netns", "exec", self.switch, "ip", "link", "set", host.veth, "down")
 
+    def shape(self, host, rate):
+        """Traffic into `host` limited to `rate` (tc's units: 20mbit), as on a slow link between real nodes."""
+        sh("ip", "netns", "exec", self.switch, "tc", "qdisc", "add", "dev", host.veth, "root", "tbf", "rate", rate,
+           "burst", "64kb", "latency", "500ms")
+
     def link_bytes(self, host):
         """Bytes that crossed the host's link so far, both ways (the switch's end of its veth pair)."""
         read = [sh("ip", "netns", "exec", self.switch, "cat", f"/sys/class/net/{host.veth}/statistics/{way}_bytes")

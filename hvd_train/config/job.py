@@ -98,10 +98,17 @@ class LoggingConfig(_Section):
     wandb: bool = opt(False, "log the run to Weights & Biases offline from rank 0: <output dir>/wandb/offline-run-*, "
                       "uploaded later with `wandb sync` (no network while training)", flags=("wandb",))
     wandb_project: str = opt("hvd-train", "W&B project of the run")
+    straggler_pct: float = opt(20.0, "name a rank whose step time without its allreduce wait is more than this many "
+                               "percent above the median rank's, with the phase that makes it slow "
+                               "(docs/monitoring.md)")
+    step_timing: bool = opt(True, "split every step's time into data, compute, allreduce wait, optimizer and other "
+                            "on every rank; off only to measure what that costs (make bench)")
 
     def __post_init__(self):
         super().__post_init__()
         _require(self.log_every >= 1, "logging.log_every", self.log_every, "must be 1 or more steps")
+        _require(0 < self.straggler_pct <= 1000, "logging.straggler_pct", self.straggler_pct,
+                 "must be a percentage above 0 and at most 1000, e.g. 20 (a rank 20% slower than the median)")
         _require(self.progress_every >= 0, "logging.progress_every", self.progress_every, "must be 0 or more seconds")
 
 

@@ -36,6 +36,6 @@ def averages(totals):
 
 def visible(figures, hidden):
     """Figures without the task's helpers (`hidden`: their names, or their record keys) and without the metrics
-    that are tensors (lists once made figures): what the epoch line, the summary, the curves and the trackers
-    show; metrics.jsonl keeps them all."""
-    return {k: v for k, v in figures.items() if k not in hidden and not isinstance(v, list)}
+    that are tensors (lists once made figures) and the ranks' step timing (a dict): what the epoch line, the
+    summary, the curves and the trackers show; metrics.jsonl keeps them all."""
+    return {k: v for k, v in figures.items() if k not in hidden and not isinstance(v, (list, dict))}

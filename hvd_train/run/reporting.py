@@ -161,6 +161,8 @@ def build_summary(cfg, rt, task, state, lr, fingerprints, run_dir, scaled):
         "process_start_time": psutil.Process().create_time(), "resumes": state.resumes,
         "history": history,
     }
+    # Where every rank's step time went over the run, and the slowest rank (hvd_train/timing.py).
+    summary["timing"] = state.run_timing()
     if state.stopped_at is not None:  # --stop-at ended the run early
         summary["stopped_at_epoch"] = state.stopped_at
     if state.elastic is not None:

@@ -19,6 +19,7 @@ from hvd_train.run.model_card import card_for
 from hvd_train.run.reporting import Reporter, seconds_since_start
 from hvd_train.run.directory import RunDir
 from hvd_train.run.resume import checkpoint_fits
+from hvd_train.timing import compact, over_run
 
 log = logging.getLogger("hvd_train")
 
@@ -49,6 +50,9 @@ class RunState:
     epoch_began: float = 0.0             # time.perf_counter() at the start of the epoch in progress
     saves: Optional[dict] = None         # checkpoints within epochs: how many, and how long training waited
     training_rss: Optional[int] = None   # this process's resident bytes after its first epoch's steps
+    # Every rank's step time over the epochs before the checkpoint this process resumed from (hvd_train/timing.py);
+    # the epochs since are in the history's records.
+    timing_before: Optional[dict] = None
 
     CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "best_weights", "history",
                     "resumes", "first_loss", "tracking")
@@ -65,6 +69,7 @@ class RunState:
                                                         else 0.0)
         self.saved_epoch = self.closed_epoch = self.epoch
         self.partial = self.saved_within = meta.get("partial")
+        self.timing_before = meta.get("timing")
 
     def wall_seconds(self):
         """Seconds the whole run has taken: the parts before each resume, and this process since it started."""
@@ -164,7 +169,17 @@ class RunState:
         self.tracking.update(ids)
 
     def checkpoint_fields(self):
-        return {name: getattr(self, name) for name in self.CHECKPOINTED}
+        fields = {name: getattr(self, name) for name in self.CHECKPOINTED}
+        # The records keep their epoch's slowest rank; every rank's figures, a list as long as the job is wide,
+        # go into one account of the run, so a checkpoint grows with the epochs by a few values only.
+        fields["history"] = [compact(record) for record in self.history]
+        fields["timing"] = self.run_timing()
+        return fields
+
+    def run_timing(self):
+        """Every rank's step time by phase over the whole run (resumes included), and the slowest rank."""
+        accounts = [r["timing"] for r in self.history if "ranks" in r.get("timing", {})]
+        return over_run([a for a in (self.timing_before, *accounts) if a])
 
     def add(self, task, record):
         """Record a finished epoch; returns whether it set a new best. An elastic reset rolls training back to its

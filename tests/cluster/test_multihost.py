@@ -70,3 +70,21 @@ def test_mpirun_across_two_hosts(two_named_hosts, tmp_path):
     weights = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["model"]
     model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     assert cluster.link_bytes(cluster.hosts[1]) - before > 10 * model_bytes
+
+
+def test_a_job_on_a_slow_link_is_found_communication_bound(two_named_hosts, tmp_path):
+    """Two hosts on a 20 Mbit/s link and a model of 0.76M weights (3 MB of gradients a step) that computes little:
+    every rank waits for the allreduce most of each step, and rank 0 says the job is communication-bound."""
+    cluster = two_named_hosts
+    for host in cluster.hosts:
+        cluster.shape(host, "20mbit")
+    hosts = ",".join(f"{h.name}:1" for h in cluster.hosts)
+    proc = run_ok(cluster, [BIN / "horovodrun", "--gloo", "-np", "2", "-H", hosts, "--network-interface", IFACE,
+                            *cluster.horovodrun_ssh(), *TRAIN, "--output-dir", tmp_path / "run", "--model", "vae",
+                            "--model-args", "hidden=4000", "--batch-size", "128"])
+    lines = [line for line in proc.stdout.splitlines() if "communication-bound: every rank" in line]
+    assert len(lines) == 1 and "--bf16-allreduce" in lines[0] and "--batches-per-allreduce" in lines[0], proc.stdout
+    assert "straggler:" not in proc.stdout, proc.stdout
+    ranks = read_json(tmp_path / "run" / "summary.json")["timing"]["ranks"]
+    assert [r["host"] for r in ranks] == ["node-a", "node-b"]
+    assert all(r["allreduce_wait"] > max(r[p] for p in ("data", "compute", "optimizer", "other")) for r in ranks)

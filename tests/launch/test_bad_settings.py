@@ -36,6 +36,8 @@ BAD_SETTINGS = [
     (["--dataset", "imagefolder", "--data-dir", "EMPTY"], "class folder(s) cat hold no image files"),
     (["--dataset", "cifar100", "--data-dir", "EMPTY"], "CIFAR-100 not found in EMPTY: it holds cat/. Accepted"),
     (["--batch-size", "2000"], "each of the 1 ranks holds only 1438 of the 1438 training samples"),
+    (["--logging.straggler_pct", "0"], "logging.straggler_pct=0.0: must be a percentage above 0 and at most 1000"),
+    (["--logging.straggler_pct", "5000"], "logging.straggler_pct=5000.0: must be a percentage above 0"),
     # settings that cannot apply to this run
     (["--data.train_shards", "s/train-{000000..000009}.tar"],
      "--data.train_shards='s/train-{000000..000009}.tar' does not apply to --dataset digits"),

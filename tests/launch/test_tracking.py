@@ -85,6 +85,9 @@ def test_mlflow_without_a_uri_logs_to_the_output_directory(tmp_path, app):
     client, run = the_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
     records = jsonl(tmp_path / "metrics.jsonl")
     assert history(client, run, "val_acc1") == [(r["epoch"], pytest.approx(r["val_acc1"])) for r in records]
+    # Where the step time went (hvd_train/timing.py): the mean over the ranks, and the slowest rank's own work.
+    for key in ("time_data", "time_compute", "time_allreduce_wait", "time_slowest_busy"):
+        assert history(client, run, key) == [(r["epoch"], pytest.approx(r[key])) for r in records], key
     assert "summary.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
     assert (tmp_path / "mlflow-artifacts").is_dir()
 
