@@ -1,6 +1,6 @@
 """Per-rank step time accounting on real 2-rank jobs: a plug-in of the test's own slows one rank on purpose (its
 samples in the loader, or its forward), and the run names that rank and that phase, in the straggler line and in
-summary.json; a run where no rank is slowed names none. (The arithmetic: tests/unit/test_step_timing.py; a
+summary.json; a run where no rank is slowed names none. (The arithmetic: tests/unit/test_timing_arithmetic.py; a
 communication-bound job across two hosts: tests/cluster/test_multihost.py.)"""
 import json
 import re
