@@ -65,7 +65,7 @@ class Trainer:
     # hvd_train.schedule.Batching of the ranks it trains on, made once by training.trainer (an elastic run's when
     # the workers change): what the reports, the checkpoints within epochs and the benchmark read.
     batching: Optional[object] = None
-    clock: Optional[object] = None  # hvd_train.timing.StepClock: where this rank's step time goes
+    clock: timing.StepClock = timing.OFF  # where this rank's step time goes (OFF: nowhere)
 
 
 class Hooks:
@@ -126,8 +126,7 @@ def train_step(trainer, batch):
     goes synchronize -> unscale/clip -> step without a second synchronize, so the scaler and the clipping see
     the averaged gradients, not this rank's.
     """
-    t, opts = trainer, trainer.opts
-    clock = t.clock or timing.OFF
+    t, opts, clock = trainer, trainer.opts, trainer.clock
     t.optimizer.zero_grad()  # Horovod's wrapper takes no arguments; torch's default sets the gradients to None
     sums = {}
     n = t.task.samples(batch)
@@ -184,7 +183,7 @@ def train_one_epoch(trainer, loader, epoch, hooks):
     # A bar where a person watches a terminal; whole lines every progress_every seconds in a log.
     progress = Progress(epoch, t.epochs, steps, opts.show_progress, opts.progress_every, opts.terminal, done)
     start, seen_before = time.perf_counter(), float(carried.get("count", 0.0))
-    clock = t.clock or timing.OFF
+    clock = t.clock
     clock.begin()
     for step, batch in enumerate(feed_of(t).batches(loader, epoch, done + 1), done + 1):
         watchdog.tick()  # a batch in hand
@@ -340,10 +339,9 @@ def close_epoch(trainer, train_sums, val_loader, at):
 def account_time(trainer, record):
     """Every rank's step time by phase (one small gather, on every rank), into the record; returns the lines rank 0
     adds to the epoch line: a straggler named, or the job found communication-bound."""
-    clock = trainer.clock
-    if clock is None or not clock.enabled:
+    if not trainer.clock.enabled:
         return []
-    acc = timing.account(timing.gather(clock))
+    acc = timing.account(timing.gather(trainer.clock))
     record["timing"] = acc
     record.update(timing.figures(acc))
     line = timing.straggler(acc, trainer.opts.straggler_pct) or timing.comm_bound(acc)

@@ -15,8 +15,6 @@ Once per epoch one collective gathers every rank's totals (five floats, a step c
 data parallelism every rank waits for the slowest one in the allreduce, so the slow rank is the one that waits least:
 its step time without its allreduce wait is the largest. That time, against the median rank's, names stragglers.
 """
-import os
-import socket
 import statistics
 import time
 
@@ -39,10 +37,6 @@ ADVICE = {
 }
 COMM_LEVERS = ("--bf16-allreduce (or --fp16-allreduce) to halve the bytes, --batches-per-allreduce N to allreduce "
                "every N batches, a larger --horovod.fusion_threshold_mb, or a larger --batch-size (docs/speed.md)")
-
-
-def host_name():
-    return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
 
 class StepClock:
@@ -96,7 +90,7 @@ class StepClock:
 def gather(clock):
     """Every rank's totals of the epoch (a collective: every rank calls it at the same point), as
     [{"rank", "host", <phase>: seconds per step, "steps"}] in rank order."""
-    mine = {"host": host_name(), "seconds": clock.totals(), "steps": clock.steps}
+    mine = {"host": hvd_utils.host_name(), "seconds": clock.totals(), "steps": clock.steps}
     ranks = []
     for rank, theirs in enumerate(hvd_utils.gather_objects(mine, name="step_timing")):
         steps = max(1, theirs["steps"])
@@ -108,6 +102,11 @@ def gather(clock):
 def busy(rank):
     """A rank's step time without its allreduce wait: its own work."""
     return sum(rank[p] for p in BUSY)
+
+
+def slowest(acc):
+    """The slowest rank's own entry of an account."""
+    return next(r for r in acc["ranks"] if r["rank"] == acc["slowest"]["rank"])
 
 
 def account(ranks):
@@ -166,7 +165,7 @@ def figures(acc):
     slowest rank's own work per step."""
     ranks = acc["ranks"]
     out = {f"time_{p}": statistics.fmean(r[p] for r in ranks) for p in PHASES}
-    slow = ranks[acc["slowest"]["rank"]] if acc["slowest"]["rank"] < len(ranks) else max(ranks, key=busy)
+    slow = slowest(acc)
     out["time_slowest_rank"] = slow["rank"]
     out["time_slowest_busy"] = busy(slow)
     return out
@@ -179,7 +178,7 @@ def straggler(acc, pct):
     if len(ranks) < 2:
         return None
     median = statistics.median(busy(r) for r in ranks)
-    slow = next(r for r in ranks if r["rank"] == acc["slowest"]["rank"])
+    slow = slowest(acc)
     if median <= 0 or busy(slow) <= median * (1 + pct / 100):
         return None
     phase = acc["slowest"]["phase"]
@@ -201,4 +200,4 @@ def comm_bound(acc):
             f"({share:.0%} of a step on average), and no rank holds the others up. Levers: {COMM_LEVERS}")
 
 
-OFF = StepClock(enabled=False)  # where no clock runs (a Trainer built by hand, the benchmark's switch)
+OFF = StepClock(enabled=False)  # a Trainer built by hand, and --logging.step_timing false: nothing counted

@@ -28,7 +28,7 @@ from hvd_train.run.saves import StepSaves
 from hvd_train.run.resume import checkpoint_fits, read_checkpoint, restore_rank_buffers
 from hvd_train.run.state import AfterEpoch, RunState, outputs_for
 from hvd_train.schedule import LRSchedule, batching
-from hvd_train.timing import StepClock
+from hvd_train.timing import OFF, StepClock
 from hvd_train.run.tracking import local_mlflow, open_trackers
 from hvd_train.weights import freeze_configured
 
@@ -102,7 +102,7 @@ def trainer(cfg, info, rt, model, task, optimizer, scaled=None):
                    opts=StepOptions.from_config(cfg, rt.is_main), epochs=cfg.optim.epochs,
                    scaler=torch.amp.GradScaler("cuda") if cfg.optim.amp == "fp16" else None,
                    ema=weight_average(cfg, model), mixing=mixing, feed=Feed.of_run(cfg, info, rt.device, rt.rank),
-                   batching=scaled, clock=StepClock(rt.device, enabled=cfg.logging.step_timing))
+                   batching=scaled, clock=StepClock(rt.device) if cfg.logging.step_timing else OFF)
 
 
 @dataclass

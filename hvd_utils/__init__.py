@@ -12,12 +12,13 @@ from hvd_utils.rank0 import broadcast_module, decide_on_root
 from hvd_utils import timeline
 from hvd_utils.data import shard_sampler
 from hvd_utils.vote import StepVote
-from hvd_utils.runtime import (PeerFailure, Runtime, SettingsRefused, gpu_tensors_supported, init, launched_size,
-                               launcher_rank, pin_to_local_rank, rank, run_on_local_root, shutdown, start, started,
+from hvd_utils.runtime import (PeerFailure, Runtime, SettingsRefused, gpu_tensors_supported, host_name, init,
+                               launched_size, launcher_rank, pin_to_local_rank, rank, run_on_local_root, shutdown,
+                               start, started,
                                usable_cpus, world_size)
 
-__all__ = ["timeline", "PeerFailure", "Runtime", "SettingsRefused", "launched_size", "gpu_tensors_supported", "init",
-           "start", "pin_to_local_rank", "usable_cpus",
+__all__ = ["timeline", "PeerFailure", "Runtime", "SettingsRefused", "launched_size", "gpu_tensors_supported",
+           "host_name", "init", "start", "pin_to_local_rank", "usable_cpus",
            "shard_sampler", "launcher_rank", "run_on_local_root", "shutdown", "started", "world_size",
            "lr_scale", "distributed_optimizer", "apply_gradients", "average_buffers", "broadcast_state",
            "buffers_by_rank", "restore_buffers_by_rank", "checkpoint_state",

@@ -3,6 +3,7 @@ import ctypes
 import math
 import os
 import pickle
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -172,6 +173,12 @@ def agree_on_settings(refusal):
     for rank, message in enumerate(said):
         if message:
             raise SettingsRefused(hvd.rank() if len(said) == 1 else rank, message)
+
+
+def host_name():
+    """This rank's host as the launcher names it (horovodrun sets HOROVOD_HOSTNAME: the name -H used), else the
+    machine's own."""
+    return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
 
 def launched_size():

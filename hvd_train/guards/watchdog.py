@@ -123,8 +123,7 @@ def start(rt, timeout_s, resume_hint):
         sock.bind(("127.0.0.1", 0))
     else:
         sock.bind((addresses[0] if interface and len(addresses) == 1 else "0.0.0.0", 0))
-    host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
-    me = Member(rt.rank, host, machine_id(), addresses, sock.getsockname()[1], secrets.token_bytes(32))
+    me = Member(rt.rank, hvd_utils.host_name(), machine_id(), addresses, sock.getsockname()[1], secrets.token_bytes(32))
     members = hvd_utils.gather_objects(me, name="watchdog")
     _active = Watchdog(me, members, sock, timeout_s, resume_hint)
     _active.thread.start()
