@@ -41,6 +41,9 @@ def _take_stop_signals(owner, _worker_id=None):
     # Blocked on this thread before any other starts: the threads started later (the waiter, any the data set
     # starts) inherit the mask, so only the waiter ever takes these signals.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # A stack request (SIGUSR2, hvd_train/guards/stacks.py) is for the training process: a worker that a
+    # `pkill -USR2` reaches too neither dies of it nor writes its stacks into its owner's pipe (inherited by fork).
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     threading.Thread(target=_wait_for_stop_signals, args=(owner,), name="stop-signals", daemon=True).start()
     sys.excepthook = _quiet_when_the_reader_leaves(sys.excepthook)
 
@@ -72,5 +75,5 @@ def _imported_by_a_forkserver():
 
 
 if _imported_by_a_forkserver():  # its children, the workers, inherit this until they take the signals themselves
-    for _signum in STOP_SIGNALS:
+    for _signum in (*STOP_SIGNALS, signal.SIGUSR2):
         signal.signal(_signum, signal.SIG_IGN)

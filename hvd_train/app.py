@@ -3,11 +3,9 @@ the modes that measure instead of training, and the one place that turns a failu
 
 train_hvd.py is the recipe itself; this module runs it (recipe_main, by its file) and never imports it by name.
 """
-import faulthandler
 import importlib
 import importlib.util
 import logging
-import signal
 import sys
 import time
 import traceback
@@ -15,7 +13,7 @@ import warnings
 from pathlib import Path
 
 import hvd_utils
-from hvd_train.guards import interrupt
+from hvd_train.guards import interrupt, stacks
 from hvd_train.checks import check_choices
 from hvd_train.config import parse_config
 from hvd_train.data import BadSampleError, DataError
@@ -76,9 +74,8 @@ def recipe_main():
 def configure(argv=None, cfg=None):
     """The run's settings (argv: the command line by default), checked before Horovod starts; the process's
     debugging aids switched on."""
-    # `kill -USR2 <pid>` prints every thread's Python stack to stderr: where a rank that seems stuck is waiting.
-    # (SIGUSR1 is SLURM's warning before a time limit: a checkpoint, then a requeue; guards/interrupt.py.)
-    faulthandler.register(signal.SIGUSR2, all_threads=True)
+    # `kill -USR2 <pid>` of any rank has every rank print all its threads' Python stacks: where a job is waiting.
+    stacks.install()
     keep_private()
     cfg = cfg or parse_config(argv)
     check_choices(cfg)

@@ -11,13 +11,17 @@ Progress is counted at points every rank passes the same number of times (a trai
 done, validation done), so a rank that is behind the others is the one they are waiting for; a rank whose
 heartbeats stopped is stopped or cut off. This process's own activity (tick or busy) restarts its clock.
 
-Heartbeats are authenticated, as the port is open to the network: each carries the sender's rank, its progress and a
-sequence number, with an HMAC-SHA256 over them under a key rank 0 makes and hands out through Horovod's own
-channel at start (it never crosses the UDP wire). A datagram from an address no peer of that rank has, of another
-size, with a bad MAC, or with a sequence number already seen is ignored and counted; nothing in a datagram can stop
-the thread or change a verdict. Between processes of one machine the socket binds loopback alone; across hosts it
-binds the interface Horovod uses (HOROVOD_GLOO_IFACE, set by horovodrun) where that is known, and every interface
-otherwise, still taking beats only from the peers' own addresses (an address two hosts share, docker0's, is none).
+The heartbeat also carries how many stack requests (SIGUSR2) its rank has seen, so that one signal to one rank has
+every rank write its stacks (stacks.py).
+
+Heartbeats are authenticated, as the port is open to the network: each carries the sender's rank, its progress, its
+stack requests and a sequence number, with an HMAC-SHA256 over them under a key rank 0 makes and hands out through
+Horovod's own channel at start (it never crosses the UDP wire). A datagram from an address no peer of that rank has,
+of another size, with a bad MAC, or with a sequence number already seen is ignored and counted; nothing in a datagram
+can stop the thread or change a verdict (a forged stack request included). Between processes of one machine the
+socket binds loopback alone; across hosts it binds the interface Horovod uses (HOROVOD_GLOO_IFACE, set by horovodrun)
+where that is known, and every interface otherwise, still taking beats only from the peers' own addresses (an
+address two hosts share, docker0's, is none).
 """
 import collections
 import faulthandler
@@ -36,9 +40,10 @@ import psutil
 
 import hvd_utils
 from hvd_train.errors import say
+from hvd_train.guards import stacks
 
 EXIT_CODE = 4  # a rank froze: the job was ended by the watchdog
-BEAT = struct.Struct("!IQQ")  # rank, progress, sequence number; then the MAC
+BEAT = struct.Struct("!IQQI")  # rank, progress, sequence number, stack requests; then the MAC
 MAC_BYTES = 16  # HMAC-SHA256, truncated: forging one takes 2**128 tries
 _active = None  # the process's watchdog, if one runs: the engine's tick()/busy() reach it without being passed it
 
@@ -187,7 +192,7 @@ class Watchdog:
 
     def beat(self):
         self.sequence += 1
-        body = BEAT.pack(self.me.rank, self.progress, self.sequence)
+        body = BEAT.pack(self.me.rank, self.progress, self.sequence, stacks.requests)
         message = body + self.mac(body)
         for target in self.targets:
             try:
@@ -204,7 +209,7 @@ class Watchdog:
         if not hmac.compare_digest(mac, self.mac(body)):
             self.ignored["with a bad MAC"] += 1
             return
-        rank, progress, sequence = BEAT.unpack(body)
+        rank, progress, sequence, requests = BEAT.unpack(body)
         peer = self.peers.get(rank)
         if peer is None or sender[0] not in self.sources[rank]:
             self.ignored["from an address that is not the rank's"] += 1
@@ -213,6 +218,7 @@ class Watchdog:
             self.ignored["replayed"] += 1
             return
         peer.sequence, peer.progress, peer.heard = sequence, progress, time.monotonic()
+        stacks.answer_peer(rank, requests)
 
     def report_ignored(self):
         if self.ignored:

@@ -31,7 +31,7 @@ from conftest import QUIET, ROOT, TRAIN, WORKERS, app_output, launch, read_json,
 from formats import write_image_folder
 
 from hvd_train.tools import export, predict
-from hvd_train.guards import watchdog
+from hvd_train.guards import stacks, watchdog
 from hvd_train.run.checkpoint import Checkpointer
 from hvd_train.config import parse_config
 from hvd_train.errors import ConfigError
@@ -237,8 +237,8 @@ def a_watchdog(peer_machine, peer_address):
     return dog
 
 
-def beat(dog, rank, progress, sequence):
-    body = watchdog.BEAT.pack(rank, progress, sequence)
+def beat(dog, rank, progress, sequence, stack_requests=0):
+    body = watchdog.BEAT.pack(rank, progress, sequence, stack_requests)
     return body + dog.mac(body)
 
 
@@ -251,6 +251,19 @@ def test_a_replayed_or_misaddressed_heartbeat_is_ignored_and_counted():
     dog.receive(beat(dog, 7, 50, 3), ("10.0.0.2", 9))  # no such rank
     assert dog.peers[1].progress == 5
     assert dog.ignored == {"replayed": 1, "from an address that is not the rank's": 2}
+
+
+def test_a_peer_s_stack_request_is_answered_once_and_a_forged_one_never(capfd, monkeypatch):
+    monkeypatch.setattr(stacks, "requests", 0)
+    dog = a_watchdog("machine-b", "10.0.0.2")
+    forged = watchdog.BEAT.pack(1, 5, 1, 7) + bytes(watchdog.MAC_BYTES)
+    dog.receive(forged, ("10.0.0.2", 9))
+    assert stacks.requests == 0 and "Python stack" not in capfd.readouterr().err
+    dog.receive(beat(dog, 1, 5, 2, stack_requests=1), ("10.0.0.2", 9))
+    dog.receive(beat(dog, 1, 6, 3, stack_requests=1), ("10.0.0.2", 9))  # the same request again: answered already
+    err = capfd.readouterr().err
+    assert err.count("every thread's Python stack, as SIGUSR2 to rank 1, passed on to every rank asked") == 1, err
+    assert "test_a_peer_s_stack_request_is_answered_once" in err and stacks.requests == 1
 
 
 def test_an_address_two_hosts_share_identifies_neither():

@@ -22,7 +22,7 @@ import train_hvd
 def forged():
     mac = bytes(watchdog.MAC_BYTES)
     return [b'{"t": "0000", "r": 1, "p": "x"}', os.urandom(watchdog.BEAT.size + watchdog.MAC_BYTES),
-            watchdog.BEAT.pack(1, 10**9, 1) + mac, watchdog.BEAT.pack(0, 0, 2**63) + mac, b"", b"x" * 600]
+            watchdog.BEAT.pack(1, 10**9, 1, 1) + mac, watchdog.BEAT.pack(0, 0, 2**63, 2**31) + mac, b"", b"x" * 600]
 
 
 def attack():
