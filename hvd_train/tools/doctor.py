@@ -5,7 +5,8 @@
 
 Over ssh (the options horovodrun takes), a probe runs with this Python on every host and reports versions, Horovod's
 build, interfaces, what the hostname resolves to, GPUs (and whether nvJPEG can use their hardware JPEG decoder),
-mpirun, the clock and free disk; then every host opens a TCP connection to every other one on the interface. One
+mpirun, the clock and free disk; then every host opens a TCP connection to every other one on the interface, and one
+rank a host measures the allreduce bandwidth through Horovod (and, on GPUs, which network NCCL chose). One
 table, a fix under each problem; exit 1 when a job would fail (FAIL), 0 when it would run (WARN: it would, with
 something to look at).
 
@@ -24,10 +25,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from hvd_train.hostfiles.validate import HostListError, parse, read_lines, resolve, windows_line_ending
+from hvd_train.tools import doctor_network
 from hvd_train.tools.doctor_checks import check_host
 from hvd_train.tools.doctor_probes import CONNECT, LISTEN, PROBE
 
 SSH_TIMEOUT = 60  # seconds for one ssh command: a host that does not answer within it is reported, not waited on
+ALLREDUCE_TIMEOUT = 600  # seconds for the bandwidth job: horovodrun starting every host, then a few seconds' work
 
 
 class Hosts:
@@ -113,7 +116,8 @@ def probe_all(hosts, names):
 
 
 def check_links(report, hosts, reachable, args):
-    """Every host connects to every other one over TCP, on the interface (or the address its name resolves to)."""
+    """Every host connects to every other one over TCP, on the interface (or the address its name resolves to).
+    Returns each host's address when every host reached every other one, else None."""
     def address(name, facts):
         if args.network_interface:
             return (facts["interfaces"].get(args.network_interface) or [None])[0]
@@ -123,7 +127,7 @@ def check_links(report, hosts, reachable, args):
             return None
 
     targets = {name: address(name, facts) for name, facts in reachable.items()}
-    listeners, ports = {}, {}
+    listeners, ports, connected = {}, {}, True
     try:
         for name, addr in targets.items():
             if addr is None:
@@ -152,10 +156,57 @@ def check_links(report, hosts, reachable, args):
             report.add(name, "tcp", "FAIL" if failed else "ok", detail,
                        "open TCP between the hosts on every port (Horovod, Gloo, MPI and NCCL pick random ports), "
                        "or name an interface on a network that allows it" if failed else "")
+            connected &= not failed
     finally:
         for proc in listeners.values():
             proc.kill()
             proc.wait()
+    return targets if connected and len(ports) == len(reachable) else None
+
+
+def interface_of(facts, address, args):
+    """The interface the job's traffic leaves a host by: the one named, else the one holding its address."""
+    if args.network_interface:
+        return args.network_interface
+    return next((name for name, addrs in facts["interfaces"].items() if address in addrs), None)
+
+
+def check_network(report, reachable, targets, args):
+    """One rank a host allreduces through horovodrun with the job's controller: the bus bandwidth beside the
+    links' nominal rate; on GPU hosts NCCL's log says which network it chose."""
+    horovodrun = os.path.join(os.path.dirname(args.python), "horovodrun")
+    cmd = [horovodrun, "-np", str(len(reachable)), "-H", ",".join(f"{name}:1" for name in reachable),
+           "--gloo" if args.gloo else "--mpi"]
+    if args.ssh_port:
+        cmd += ["-p", str(args.ssh_port)]
+    if args.ssh_identity_file:
+        cmd += ["-i", args.ssh_identity_file]
+    if args.network_interface:
+        cmd += ["--network-interface", args.network_interface]
+    cmd += [args.python, "-m", "hvd_train.tools.doctor_network"]
+    env = {**os.environ, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+    first = next(iter(reachable))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ALLREDUCE_TIMEOUT, env=env,
+                              stdin=subprocess.DEVNULL)
+        output = proc.stdout + proc.stderr
+        result = doctor_network.read_result(output)
+    except subprocess.TimeoutExpired:
+        output, result = "", None
+    if result is None:
+        said = [line for line in output.splitlines() if line.strip()][-2:]
+        report.add(first, "allreduce", "FAIL", "the bandwidth job through horovodrun gave no result"
+                   + (f": {' / '.join(said)}" if said else f" within {ALLREDUCE_TIMEOUT} s"),
+                   "run it by hand to see why: " + shlex.join(cmd))
+        return
+    speeds = [reachable[name]["link_mbit"].get(interface_of(reachable[name], targets[name], args))
+              for name in reachable]
+    report.add(first, "allreduce", *doctor_network.bandwidth_row(result, speeds))
+    if result["device"] == "cuda":
+        networks = doctor_network.nccl_networks(output)
+        for name, facts in reachable.items():
+            report.add(name, "nccl transport", *doctor_network.nccl_row(
+                name, networks.get(facts["hostname"]), facts["infiniband"], facts["nccl_env"]))
 
 
 def parse_args(argv):
@@ -227,7 +278,9 @@ def main(argv):
         reachable[name] = facts
         check_host(report, name, slots[name], facts, local, args)
     if len(reachable) > 1:
-        check_links(report, hosts, reachable, args)
+        targets = check_links(report, hosts, reachable, args)
+        if targets is not None and len(reachable) == len(slots):
+            check_network(report, reachable, targets, args)
     print(f"hvd-train doctor: {len(slots)} host(s), {sum(slots.values())} slot(s)"
           + (f", interface {args.network_interface}" if args.network_interface else "")
           + f", controller {'Gloo' if args.gloo else 'MPI'}\n")

@@ -18,6 +18,21 @@ except OSError:
 import psutil
 facts["interfaces"] = {name: [a.address for a in addrs if a.family == socket.AF_INET]
                        for name, addrs in psutil.net_if_addrs().items()}
+# A link's rate in Mb/s as its driver reports it; None for a virtual interface (veth, a bridge, loopback: no device
+# behind it, and a made-up speed) or one whose rate is unknown.
+def nominal_mbit(name):
+    if not os.path.exists(f"/sys/class/net/{name}/device"):
+        return None
+    try:
+        with open(f"/sys/class/net/{name}/speed") as f:
+            speed = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return speed if speed > 0 else None
+facts["link_mbit"] = {name: nominal_mbit(name) for name in facts["interfaces"]}
+ib = "/sys/class/infiniband"
+facts["infiniband"] = sorted(os.listdir(ib)) if os.path.isdir(ib) else []
+facts["nccl_env"] = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
 try:
     import horovod.torch as hvd
     facts["build"] = {"MPI": hvd.mpi_built(), "Gloo": hvd.gloo_built(), "NCCL": hvd.nccl_built() > 0}

@@ -45,7 +45,23 @@ def test_a_healthy_cluster_passes(tmp_path):
             [(status, _, _)] = rows(proc.stdout, host, check)
             assert status == "ok", proc.stdout
     assert "reaches node-b" in rows(proc.stdout, "node-a", "tcp")[0][1]
+    # veth pairs have no device behind them: no nominal rate to compare with, said so.
+    [(status, line, _)] = rows(proc.stdout, "node-a", "allreduce")
+    assert status == "ok" and re.search(r"[\d.]+ [GM]b/s bus bandwidth \(\d+ MB in \d+ ms, MPI, 2 hosts, CPU "
+                                        r"tensors\); the link's nominal rate is not readable here", line), line
     assert "0 problem(s)" in proc.stdout
+
+
+def test_the_allreduce_bandwidth_is_that_of_the_link_between_the_hosts(tmp_path):
+    # 20 Mb/s into node-b: a two-rank ring's bus bandwidth is what each link carries one way, so the doctor's figure
+    # is at most the shaped rate (tbf's burst allows a little more), whatever the machine's speed.
+    with Cluster(tmp_path, 2, names="own") as cluster:
+        cluster.shape(cluster.hosts[1], "20mbit")
+        proc = doctor(cluster, "--network-interface", IFACE, "--gloo")
+    [(status, line, _)] = rows(proc.stdout, "node-a", "allreduce")
+    figure = re.search(r"([\d.]+) Mb/s bus bandwidth \(\d+ MB in \d+ ms, Gloo, 2 hosts", line)
+    assert status == "ok" and figure, proc.stdout + proc.stderr
+    assert 1 < float(figure.group(1)) <= 22, line
 
 
 def test_each_injected_fault_is_named_with_its_fix(tmp_path):

@@ -1,0 +1,125 @@
+"""hvd-train doctor's network rows: the allreduce bandwidth between the hosts, measured through Horovod with one rank
+a host and the controller the job will use, beside the link's nominal rate; on GPU hosts, the transport NCCL chose.
+
+    horovodrun -np 2 -H host1:1,host2:1 [--gloo] python -m hvd_train.tools.doctor_network   (run by the doctor)
+
+Each rank allreduces one float32 tensor (on its GPU where it has one, so that NCCL carries it), doubling its size
+from 1 MB until one allreduce takes half a second or the tensor is 256 MB, then times three more; rank 0 prints one
+JSON line. The bus bandwidth is nccl-tests' busbw: what each rank's link carried, 2 (n - 1) / n times the tensor per
+allreduce for a ring, comparable with the link's rate whatever the number of hosts.
+"""
+import json
+import re
+import statistics
+import sys
+import time
+
+import torch
+
+START_BYTES, MAX_BYTES = 1 << 20, 256 << 20
+LONG_ENOUGH_S = 0.5  # one allreduce this long is timed well by the clock, on any link
+SLOW_SHARE = 0.1  # below this share of the link's nominal rate, the doctor warns
+MARKER = "doctor-network: "
+
+# NCCL_DEBUG=INFO's line for the network it chose, one per rank ("HOST:PID:TID [DEV] NCCL INFO Using network IB"),
+# after horovodrun's "[RANK]<stdout>:" prefix where it has one.
+NCCL_NETWORK = re.compile(r"^(?:\[\d+\]<std\w+>:)?(?P<host>[^\s:]+):\d+:\d+ \[\d+\] NCCL INFO Using network "
+                          r"(?P<net>\S+)", re.M)
+
+
+def measure():
+    import hvd_utils
+
+    rt = hvd_utils.init()
+    hosts = hvd_utils.gather_objects(hvd_utils.host_name(), name="doctor.hosts")
+    size = START_BYTES
+    while True:
+        tensor = torch.ones(size // 4, device=rt.device)
+        seconds = timed(hvd_utils, tensor)
+        if seconds >= LONG_ENOUGH_S or size >= MAX_BYTES:
+            break
+        size *= 2
+    seconds = statistics.median(timed(hvd_utils, tensor) for _ in range(3))
+    if rt.rank == 0:
+        ring = 2 * (rt.size - 1) / rt.size
+        print(MARKER + json.dumps({"hosts": hosts, "bytes": size, "seconds": seconds,
+                                   "busbw": size * ring / seconds, "device": rt.device.type,
+                                   "controller": rt.controller}), flush=True)
+    hvd_utils.shutdown()
+
+
+def timed(hvd_utils, tensor):
+    """Seconds for one allreduce of `tensor`, the same on every rank (the slowest rank's)."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    hvd_utils.allreduce_average([tensor], name=f"doctor.{tensor.numel()}")
+    if tensor.is_cuda:
+        torch.cuda.synchronize()
+    return max(seconds for seconds, in hvd_utils.gather_floats([time.perf_counter() - start], name="doctor.seconds"))
+
+
+def read_result(output):
+    """The figures rank 0 printed, or None. (mpirun may run another rank's output into the same line: the object is
+    read up to its end.)"""
+    for line in output.splitlines():
+        if MARKER not in line:
+            continue
+        try:
+            result, _ = json.JSONDecoder().raw_decode(line.split(MARKER, 1)[1])
+        except ValueError:
+            continue
+        numbers = ("bytes", "seconds", "busbw")
+        if isinstance(result, dict) and all(isinstance(result.get(k), (int, float)) for k in numbers) \
+                and result["seconds"] > 0 and isinstance(result.get("hosts"), list):
+            return result
+    return None
+
+
+def nccl_networks(output):
+    """{host: the network NCCL said it uses there ("IB", "Socket", a plug-in's name)} from NCCL_DEBUG=INFO's log."""
+    return {m["host"]: m["net"] for m in NCCL_NETWORK.finditer(output)}
+
+
+def rate(bits_per_s):
+    return f"{bits_per_s / 1e9:.2f} Gb/s" if bits_per_s >= 1e9 else f"{bits_per_s / 1e6:.1f} Mb/s"
+
+
+def bandwidth_row(result, speeds_mbit):
+    """(status, detail, fix) of the allreduce row: `speeds_mbit` are the hosts' nominal link rates (Mb/s), None
+    where a host's could not be read."""
+    bits = result["busbw"] * 8
+    detail = (f"{rate(bits)} bus bandwidth ({result['bytes'] >> 20} MB in {result['seconds'] * 1e3:.0f} ms, "
+              f"{result['controller']}, {len(result['hosts'])} hosts, {result['device'].upper()} tensors)")
+    known = [s for s in speeds_mbit if s]
+    if not known:
+        return "ok", detail + "; the link's nominal rate is not readable here", ""
+    nominal = min(known) * 1e6
+    detail += f", {bits / nominal:.0%} of the slowest link's nominal {rate(nominal)}"
+    if bits >= SLOW_SHARE * nominal:
+        return "ok", detail, ""
+    return ("WARN", detail, "the hosts talk well below their links' rate: check that the job's interface is the "
+            "fast one (--network-interface), that no other traffic or shaping (tc) shares it, and for GPUs the nccl "
+            "row; a communication-bound job then gains from --bf16-allreduce and --batches-per-allreduce")
+
+
+def nccl_row(host, network, infiniband, environment):
+    """(status, detail, fix) of a GPU host's nccl transport row: `infiniband` lists its /sys/class/infiniband
+    devices, `environment` its NCCL_* variables."""
+    if network is None:
+        return "WARN", "NCCL said nothing of its network (no 'Using network' line)", \
+            "run the job once with NCCL_DEBUG=INFO and read which network NCCL chose"
+    if network.lower().startswith("ib"):
+        return "ok", f"NCCL uses {network} (InfiniBand/RoCE: {', '.join(infiniband) or 'a plug-in'})", ""
+    if not infiniband:
+        return "ok", f"NCCL uses {network}; the host has no InfiniBand or RoCE device", ""
+    if environment.get("NCCL_IB_DISABLE", "0") not in ("", "0"):
+        fix = f"unset NCCL_IB_DISABLE (it is {environment['NCCL_IB_DISABLE']} on {host})"
+    else:
+        fix = (f"set NCCL_IB_HCA={','.join(infiniband)} for the job, and check that libibverbs (rdma-core) is "
+               f"installed on {host} and, in a container, that /dev/infiniband is passed in")
+    return "WARN", f"NCCL uses {network} although {host} has {', '.join(infiniband)}", fix
+
+
+if __name__ == "__main__":
+    sys.exit(measure())
