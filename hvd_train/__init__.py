@@ -4,12 +4,14 @@ app         the hvd-train commands, the checks before and after Horovod starts, 
 training    the steps of a run that train_hvd.py calls, shared by fixed and elastic runs
 build       the builders behind those steps: data sets, model, task, optimizer
 checks      the checks of the settings that need a factory or the machine, before Horovod starts
-engine      a step, an epoch, validation, and the one training loop (fit) that every mode drives through hooks
+engine      a step, an epoch, and the one training loop (fit) that every mode drives through hooks
+validation  each rank's shard evaluated, exact global metrics from one allreduce
+epoch_line  an epoch's record and its line in the log; timing: every rank's step time by phase
 batches     a batch on its device, the mixed-precision context, the cut for gradient accumulation
 schedule    the batch arithmetic (Batching) and the one learning-rate mechanism
 config/     the one typed configuration (defaults < YAML recipe < command line), each field with its flags
 run/        the output directory and everything written into it: checkpoints, the run's state, reports, trackers
-guards/     the watchdog that names a frozen rank; Ctrl-C and SIGTERM
+guards/     the watchdog that names a frozen rank; stacks on SIGUSR2; Ctrl-C and SIGTERM; a diverging loss
 tools/      hvd-train doctor, shard, export, predict, and the inference they share
 modes/      what differs from the recipe: elastic (its loop), evaluate and benchmark (they measure)
 files       every write of the app (atomic, private, never through a link), for data/ and run/ alike

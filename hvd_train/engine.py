@@ -1,4 +1,5 @@
-"""A training step, an epoch, validation, and the one training loop that every mode drives.
+"""A training step, an epoch, and the one training loop that every mode drives (validation: validation.py; the
+loss's guards: guards/divergence.py; the epoch's record and line: epoch_line.py).
 
 Per-step work stays on the device: loss terms and counts are summed into tensors and read back once per epoch, when
 they are reduced across ranks in one allreduce. The only other host syncs are every `log_every` steps, for the
@@ -15,11 +16,12 @@ import torch
 
 import hvd_utils
 from hvd_train.guards import watchdog
-from hvd_train.errors import NonFiniteLossError
-from hvd_train.run.best import averages, visible
+from hvd_train.guards.divergence import check_divergence, check_finite, first_loss
+from hvd_train.run.best import averages
 from hvd_train.progress import Progress, on_terminal
 from hvd_train.batches import autocast, split_batch
-from hvd_train.feed import Feed
+from hvd_train.epoch_line import epoch_record, format_record
+from hvd_train.validation import add_sums, evaluate_all, feed_of, reduce_sums
 from hvd_train import timing
 
 log = logging.getLogger("hvd_train")
@@ -158,15 +160,6 @@ def train_step(trainer, batch):
     return sums
 
 
-def _add(total, sums, device):
-    """total += sums, per key, in float64 on the device: allocated at the first step, added in place after."""
-    for key, value in sums.items():
-        if key in total:
-            total[key].add_(value)
-        else:
-            total[key] = torch.as_tensor(value, device=device, dtype=torch.float64).clone()
-
-
 def train_one_epoch(trainer, loader, epoch, hooks):
     """Train on this rank's shard for one epoch; returns this rank's metric sums as float64 tensors.
 
@@ -191,7 +184,7 @@ def train_one_epoch(trainer, loader, epoch, hooks):
         t.schedule.apply(t.optimizer, hooks.position(epoch, step - 1, steps))
         if t.mixing is not None:
             batch = t.mixing(batch, epoch, step)
-        _add(total, train_step(t, batch), t.device)
+        add_sums(total, train_step(t, batch), t.device)
         if step == 1 and epoch == 1 and hooks.state is not None:
             # Every rank reduces here (an elastic worker that joined in epoch 1 too); a value is kept only once.
             hooks.state.keep_first_loss(first_loss(total))
@@ -211,79 +204,6 @@ def train_one_epoch(trainer, loader, epoch, hooks):
         clock.step_done()
     progress.close()
     return total
-
-
-def check_finite(total, epoch, step, progress=None):
-    """Every rank learns whether any rank's running loss sum went NaN or infinite (one tiny allreduce and a host
-    sync); raises NonFiniteLossError on every rank if so."""
-    if hvd_utils.sum_across_ranks(~torch.isfinite(total["loss"]), name="nonfinite") > 0:
-        if progress is not None:
-            progress.close()
-        raise NonFiniteLossError(f"the loss became NaN or infinite at epoch {epoch}, step {step} on at least one "
-                                 f"rank; lower --lr, use --clip-grad, or check the data")
-
-
-def first_loss(total):
-    """The run's first step's loss, averaged over every rank's samples (one allreduce, once per run): what a
-    diverging run is measured against."""
-    sums = hvd_utils.allreduce_sums({"loss": total["loss"], "count": total["count"]}, name="first_loss")
-    return sums["loss"] / max(1.0, sums["count"])
-
-
-def check_divergence(train, epoch, first, factor):
-    """Training that diverged but stayed finite ends like a NaN: on every rank at once, before the epoch's
-    checkpoint replaces a good one. The rule: the epoch's training loss (reduced over the ranks) is above `factor`
-    times the run's first-step loss, where that is positive. The ranks agree through one tiny allreduce (an
-    elastic worker that joined later may hold another first loss, or none)."""
-    if not factor:
-        return
-    loss = train["loss"]
-    diverged = first is not None and first > 0 and loss > factor * first
-    if hvd_utils.sum_across_ranks(float(diverged), name="diverged") > 0:
-        first = first if first is not None else float("nan")
-        raise NonFiniteLossError(f"training diverged: the train loss of epoch {epoch} ({loss:.4g}) is more than "
-                                 f"{factor:g}x the first step's ({first:.4g}); lower --lr, use --warmup-epochs or "
-                                 f"--clip-grad, or pass --run.divergence_factor 0 if this loss may grow")
-
-
-@torch.no_grad()
-def evaluate(model, task, loader, feed, amp="off"):
-    """Evaluate on this rank's shard; returns this rank's metric sums. feed: a hvd_train.feed.Feed, or the device
-    for batches that only move there."""
-    feed = as_feed(feed)
-    model.eval()
-    total = {}
-    for batch in feed.batches(loader):
-        watchdog.busy()  # validation shards differ in size, so these batches are not counted progress points
-        with autocast(feed.device, amp):
-            _, sums = task.step(model, batch)
-        _add(total, sums, feed.device)
-    return total
-
-
-def evaluate_all(model, task, loader, feed, amp="off"):
-    """Evaluate across all ranks: exact global metrics (one allreduce; a rank with no samples adds zeros)."""
-    local = evaluate(model, task, loader, feed, amp)
-    watchdog.tick()  # validation done
-    return task.finish(averages(reduce_sums(task, local, name="val_sums")))
-
-
-def as_feed(feed):
-    return Feed(feed) if isinstance(feed, torch.device) else feed
-
-
-def feed_of(trainer):
-    """The trainer's feed; a plain move to its device where it has none (a Trainer built by hand)."""
-    return trainer.feed if trainer.feed is not None else Feed(trainer.device)
-
-
-def reduce_sums(task, local, name):
-    """Sum a task's metric sums over all ranks; every key is sent even where this rank has none (zeros of the
-    shape the sum has: every rank packs the same number of values)."""
-    sent = {k: local[k] if k in local else torch.zeros(task.shapes.get(k, ()), dtype=torch.float64)
-            for k in task.keys}
-    total = hvd_utils.allreduce_sums(sent, name=name)
-    return {k: total[k] for k in task.keys}  # in the task's order: records and log lines show them so
 
 
 def fit(trainer, train_loader, val_loader, hooks, first_epoch=1):
@@ -346,30 +266,3 @@ def account_time(trainer, record):
     record.update(timing.figures(acc))
     line = timing.straggler(acc, trainer.opts.straggler_pct) or timing.comm_bound(acc)
     return [line] if line else []
-
-
-def epoch_record(epoch, lr, epoch_seconds, train, val):
-    """The flat record written to metrics.jsonl, the history and TensorBoard: train_* and val_* terms."""
-    record = {"epoch": epoch, "lr": lr, "epoch_seconds": epoch_seconds,
-              "samples_per_sec": train["count"] / epoch_seconds}
-    record.update({f"train_{k}": v for k, v in train.items()})
-    record.update({f"val_{k}": v for k, v in val.items()})
-    return record
-
-
-def format_record(epoch, epochs, train, val, record, shown=None, helpers=()):
-    """One line per epoch: train and validation terms and metrics as the task names them (shown: {metric: label}
-    for those it shows in percent, as classification's top-1 and top-5), rate and time. Helpers and metrics that
-    are tensors (lists in the record) are left for metrics.jsonl."""
-    shown = shown or {}
-
-    def terms(metrics):
-        # The task's order: loss, its terms, its metrics, its derived figures.
-        names = [k for k in visible(metrics, helpers) if k != "count"]
-        return " ".join(f"{shown[k]} {metrics[k]:.2f}%" if k in shown else f"{k} {metrics[k]:.4f}" for k in names)
-
-    ema = {k[8:]: v for k, v in record.items() if k.startswith("val_ema_")}
-    averaged = f"  val(ema) {terms(ema)}" if ema else ""
-    split = f"  {timing.split_line(record['timing']['ranks'])}" if "timing" in record else ""
-    return (f"epoch {epoch}/{epochs}  train {terms(train)}  val {terms(val)}{averaged}  lr {record['lr']:.4g}  "
-            f"{record['samples_per_sec']:.0f} samples/s  {record['epoch_seconds']:.2f}s{split}")

@@ -5,7 +5,7 @@ import os
 import hvd_utils
 from hvd_train.data import build_loaders
 from hvd_train.build import build_model_for, build_task, loader_spec, prepare_data, try_the_metrics
-from hvd_train.engine import evaluate_all
+from hvd_train.validation import evaluate_all
 from hvd_train.errors import CheckpointError
 from hvd_train.feed import Feed
 from hvd_train.regularize import weight_average

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 import hvd_utils
-from hvd_train.engine import check_finite
+from hvd_train.guards.divergence import check_finite
 from hvd_train.guards import interrupt
 
 SAVE, SIGTERM, SIGUSR1, TIME_LIMIT, FAILED = range(5)  # what each rank raises in the step vote

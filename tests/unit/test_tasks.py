@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvd_train.engine import format_record
+from hvd_train.epoch_line import format_record
 from hvd_train.errors import ConfigError
 from hvd_train.tasks import Classification, RunTask, logits_of, split_batch
 
