@@ -74,7 +74,8 @@ def recipe_main():
 def configure(argv=None, cfg=None):
     """The run's settings (argv: the command line by default), checked before Horovod starts; the process's
     debugging aids switched on."""
-    # `kill -USR2 <pid>` of any rank has every rank print all its threads' Python stacks: where a job is waiting.
+    # `kill -USR2 <pid>` of a rank prints all its threads' Python stacks (while training on a fixed set of ranks,
+    # every rank's: guards/stacks.py): where a job is waiting.
     stacks.install()
     keep_private()
     cfg = cfg or parse_config(argv)

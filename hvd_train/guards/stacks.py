@@ -5,12 +5,18 @@ headed by its rank and host, and the job goes on.
 Why a pipe: faulthandler writes the stacks from the signal handler itself, so a rank stuck in C++ (a collective, a
 read, a CUDA call) answers as well as one running Python; it writes them into a pipe of this process, and a thread
 of ours reads them and puts the header on (the handler cannot: it runs no Python). The write end does not block: a
-dump larger than the pipe (a megabyte) is cut short rather than leaving the handler waiting for our thread.
+dump larger than the pipe (a megabyte) loses what does not fit rather than leaving the handler waiting for our
+thread.
 
 Why the watchdog: one signal must reach the ranks on every host, and launchers do not all pass SIGUSR2 on (MPICH's
-mpirun dies of it; ssh does not carry signals). The watchdog's heartbeat carries how many stack requests its rank
-has seen; a rank that sees a peer's count above its own writes its stacks too. So where the watchdog runs (training
-on a fixed set of ranks), one signal to one rank is enough; elsewhere each rank answers the signal it gets.
+mpirun dies of it; ssh does not carry signals). The watchdog's heartbeat carries how many signals its rank was sent;
+a rank that sees a peer's count grow writes its stacks too, unless it wrote them within the last few seconds (when a
+launcher signals every rank, each answers its own signal once, not again for each peer's). So where the watchdog
+runs (training on a fixed set of ranks, --freeze-timeout above 0), one signal to one rank is enough; elsewhere each
+rank answers the signal it gets.
+
+What it cannot do: a rank whose interpreter lock is held by code that never lets it go (a C extension spinning
+without releasing it) writes the dump into the pipe but nothing reads it; `py-spy dump --pid PID` shows such a rank.
 
 SIGUSR2 because SIGUSR1 is SLURM's warning before a time limit (a checkpoint and a stop: interrupt.py), and SIGQUIT
 would be taken by a terminal's Ctrl-\\ for the process group.
@@ -22,13 +28,18 @@ import select
 import signal
 import sys
 import threading
+import time
 
 import hvd_utils
 
 SIGNAL = signal.SIGUSR2
 PIPE_BYTES = 1 << 20  # Linux's default largest pipe (/proc/sys/fs/pipe-max-size): room for 100 threads' stacks
+HOLD_S = 3.0  # a peer's request within this long of this rank's last dump is answered by that dump
 _pipe = None  # (read fd, write fd), made once a process
-requests = 0  # stack requests seen by this rank: signals it was sent, and the highest count a peer reported
+_lock = threading.Lock()  # one dump at a time on stderr, and the counts below
+signals = 0  # SIGUSR2s this process was sent: what its heartbeat reports
+_answered = {}  # peer rank: the highest count of its signals this rank has answered
+_last_dump = -HOLD_S  # time.monotonic() of this rank's last dump
 
 
 def install():
@@ -49,30 +60,42 @@ def install():
 
 def _relay_dumps(read_fd):
     """Read each dump the signal handler wrote and write it to stderr under its header."""
-    global requests
+    global signals, _last_dump
     while True:
         dump = os.read(read_fd, PIPE_BYTES)
         if not dump:
             return
+        with _lock:  # from now on a peer's request is answered by this dump
+            _last_dump = time.monotonic()
         # The handler writes a whole dump at once; what follows within a moment belongs to it.
         while select.select([read_fd], [], [], 0.2)[0]:
             more = os.read(read_fd, PIPE_BYTES)
             if not more:
                 break
             dump += more
-        requests += 1
-        _write(f"{SIGNAL.name} to this process", dump.decode("utf-8", "replace"))
+        with _lock:
+            _write(f"{SIGNAL.name} to this process", dump.decode("utf-8", "replace"))
+            signals += 1
+            _last_dump = time.monotonic()
 
 
-def answer_peer(rank, count):
-    """A peer reported `count` stack requests (its heartbeat): above this rank's own, this rank writes its stacks
-    too (on the caller's thread, the watchdog's)."""
-    global requests
-    if count <= requests:
-        return
-    requests = count
-    sys.stderr.flush()
-    _write(f"{SIGNAL.name} to rank {rank}, passed on to every rank", None)
+def answer_peer(rank, count, first=False):
+    """Rank `rank`'s heartbeat reports it was sent `count` signals: this rank writes its stacks for one it has not
+    answered yet (on the caller's thread, the watchdog's), unless it just did. `first`: the peer's first heartbeat,
+    whose count is taken as answered (signals before the watchdog started reached only the ranks they were sent
+    to)."""
+    global _last_dump
+    with _lock:
+        if first or count <= _answered.get(rank, 0):
+            if first:
+                _answered[rank] = count
+            return
+        _answered[rank] = count
+        if time.monotonic() - _last_dump < HOLD_S:
+            return
+        sys.stderr.flush()
+        _write(f"{SIGNAL.name} to rank {rank}, passed on to every rank", None)
+        _last_dump = time.monotonic()
 
 
 def _write(cause, dump):

@@ -11,7 +11,7 @@ Progress is counted at points every rank passes the same number of times (a trai
 done, validation done), so a rank that is behind the others is the one they are waiting for; a rank whose
 heartbeats stopped is stopped or cut off. This process's own activity (tick or busy) restarts its clock.
 
-The heartbeat also carries how many stack requests (SIGUSR2) its rank has seen, so that one signal to one rank has
+The heartbeat also carries how many stack requests (SIGUSR2) its rank was sent, so that one signal to one rank has
 every rank write its stacks (stacks.py).
 
 Heartbeats are authenticated, as the port is open to the network: each carries the sender's rank, its progress, its
@@ -43,7 +43,7 @@ from hvd_train.errors import say
 from hvd_train.guards import stacks
 
 EXIT_CODE = 4  # a rank froze: the job was ended by the watchdog
-BEAT = struct.Struct("!IQQI")  # rank, progress, sequence number, stack requests; then the MAC
+BEAT = struct.Struct("!IQQI")  # rank, progress, sequence number, SIGUSR2s it was sent; then the MAC
 MAC_BYTES = 16  # HMAC-SHA256, truncated: forging one takes 2**128 tries
 _active = None  # the process's watchdog, if one runs: the engine's tick()/busy() reach it without being passed it
 
@@ -192,7 +192,7 @@ class Watchdog:
 
     def beat(self):
         self.sequence += 1
-        body = BEAT.pack(self.me.rank, self.progress, self.sequence, stacks.requests)
+        body = BEAT.pack(self.me.rank, self.progress, self.sequence, stacks.signals)
         message = body + self.mac(body)
         for target in self.targets:
             try:
@@ -217,8 +217,9 @@ class Watchdog:
         if sequence <= peer.sequence:
             self.ignored["replayed"] += 1
             return
+        first = peer.sequence < 0
         peer.sequence, peer.progress, peer.heard = sequence, progress, time.monotonic()
-        stacks.answer_peer(rank, requests)
+        stacks.answer_peer(rank, requests, first)
 
     def report_ignored(self):
         if self.ignored:

@@ -18,6 +18,7 @@ import json
 import os
 import select
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -174,7 +175,13 @@ def interface_of(facts, address, args):
 def check_network(report, reachable, targets, args):
     """One rank a host allreduces through horovodrun with the job's controller: the bus bandwidth beside the
     links' nominal rate; on GPU hosts NCCL's log says which network it chose."""
-    horovodrun = os.path.join(os.path.dirname(args.python), "horovodrun")
+    # The environment's own horovodrun first (a venv), then PATH's (pip's scripts beside another Python).
+    horovodrun = shutil.which("horovodrun", path=os.path.dirname(args.python)) or shutil.which("horovodrun")
+    first = next(iter(reachable))
+    if horovodrun is None:
+        report.add(first, "allreduce", "FAIL", f"no horovodrun beside {args.python} nor on PATH",
+                   "install Horovod into the environment the job uses (scripts/install.sh)")
+        return
     cmd = [horovodrun, "-np", str(len(reachable)), "-H", ",".join(f"{name}:1" for name in reachable),
            "--gloo" if args.gloo else "--mpi"]
     if args.ssh_port:
@@ -185,18 +192,12 @@ def check_network(report, reachable, targets, args):
         cmd += ["--network-interface", args.network_interface]
     cmd += [args.python, "-m", "hvd_train.tools.doctor_network"]
     env = {**os.environ, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
-    first = next(iter(reachable))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ALLREDUCE_TIMEOUT, env=env,
-                              stdin=subprocess.DEVNULL)
-        output = proc.stdout + proc.stderr
-        result = doctor_network.read_result(output)
-    except subprocess.TimeoutExpired:
-        output, result = "", None
+    output, late = run_for_output(cmd, env)
+    result = doctor_network.read_result(output)
     if result is None:
         said = [line for line in output.splitlines() if line.strip()][-2:]
         report.add(first, "allreduce", "FAIL", "the bandwidth job through horovodrun gave no result"
-                   + (f": {' / '.join(said)}" if said else f" within {ALLREDUCE_TIMEOUT} s"),
+                   + (f" within {ALLREDUCE_TIMEOUT} s" if late else "") + (f": {' / '.join(said)}" if said else ""),
                    "run it by hand to see why: " + shlex.join(cmd))
         return
     speeds = [reachable[name]["link_mbit"].get(interface_of(reachable[name], targets[name], args))
@@ -204,9 +205,31 @@ def check_network(report, reachable, targets, args):
     report.add(first, "allreduce", *doctor_network.bandwidth_row(result, speeds))
     if result["device"] == "cuda":
         networks = doctor_network.nccl_networks(output)
+        launcher = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}  # horovodrun passes these on
         for name, facts in reachable.items():
             report.add(name, "nccl transport", *doctor_network.nccl_row(
-                name, networks.get(facts["hostname"]), facts["infiniband"], facts["nccl_env"]))
+                name, networks.get(facts["hostname"].split(".")[0]), facts["infiniband"],
+                {**facts["nccl_env"], **launcher}))
+
+
+def run_for_output(cmd, env):
+    """The command's output (stdout and stderr), and whether it ran past ALLREDUCE_TIMEOUT (then it is ended:
+    SIGTERM, so that horovodrun ends its ranks, then SIGKILL)."""
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                text=True, env=env)
+    except OSError as e:
+        return f"{cmd[0]}: {e.strerror or e}", False
+    try:
+        return proc.communicate(timeout=ALLREDUCE_TIMEOUT)[0], False
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            output = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output = proc.communicate()[0]
+        return output or "", True
 
 
 def parse_args(argv):
@@ -279,7 +302,8 @@ def main(argv):
         check_host(report, name, slots[name], facts, local, args)
     if len(reachable) > 1:
         targets = check_links(report, hosts, reachable, args)
-        if targets is not None and len(reachable) == len(slots):
+        # Only where a job could start: with a problem above, horovodrun would fail on it first, or wait.
+        if targets is not None and len(reachable) == len(slots) and all(r[2] != "FAIL" for r in report.rows):
             check_network(report, reachable, targets, args)
     print(f"hvd-train doctor: {len(slots)} host(s), {sum(slots.values())} slot(s)"
           + (f", interface {args.network_interface}" if args.network_interface else "")

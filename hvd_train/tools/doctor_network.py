@@ -9,6 +9,7 @@ JSON line. The bus bandwidth is nccl-tests' busbw: what each rank's link carried
 allreduce for a ring, comparable with the link's rate whatever the number of hosts.
 """
 import json
+import math
 import re
 import statistics
 import sys
@@ -21,18 +22,22 @@ LONG_ENOUGH_S = 0.5  # one allreduce this long is timed well by the clock, on an
 SLOW_SHARE = 0.1  # below this share of the link's nominal rate, the doctor warns
 MARKER = "doctor-network: "
 
-# NCCL_DEBUG=INFO's line for the network it chose, one per rank ("HOST:PID:TID [DEV] NCCL INFO Using network IB"),
-# after horovodrun's "[RANK]<stdout>:" prefix where it has one.
-NCCL_NETWORK = re.compile(r"^(?:\[\d+\]<std\w+>:)?(?P<host>[^\s:]+):\d+:\d+ \[\d+\] NCCL INFO Using network "
-                          r"(?P<net>\S+)", re.M)
+# NCCL_DEBUG=INFO's line for the network it chose, one per rank ("HOST:PID:TID [DEV] NCCL INFO Using network IB";
+# HOST is the host name up to its first dot), after the launcher's prefix: horovodrun --gloo's "[RANK]<stdout>:",
+# Open MPI's --tag-output "[1,RANK]<stdout>:", MPICH's -l "[RANK] ".
+NCCL_NETWORK = re.compile(r"^(?:\[[\d,]+\](?:<std\w+>)?:?\s*)?(?P<host>[^\s:]+):\d+:\d+ \[\d+\] NCCL INFO Using "
+                          r"network (?P<net>[^\r\n]+?)\s*$", re.M)
 
 
 def measure():
     import hvd_utils
 
-    rt = hvd_utils.init()
+    hvd_utils.start()
+    # On a GPU where this Horovod can reduce there (a CPU-only build would abort on a CUDA tensor).
+    rt = hvd_utils.pin_to_local_rank(cpu=not hvd_utils.gpu_tensors_supported())
     hosts = hvd_utils.gather_objects(hvd_utils.host_name(), name="doctor.hosts")
     size = START_BYTES
+    timed(hvd_utils, torch.ones(size // 4, device=rt.device))  # untimed: NCCL sets up its communicator in the first
     while True:
         tensor = torch.ones(size // 4, device=rt.device)
         seconds = timed(hvd_utils, tensor)
@@ -69,16 +74,21 @@ def read_result(output):
             result, _ = json.JSONDecoder().raw_decode(line.split(MARKER, 1)[1])
         except ValueError:
             continue
-        numbers = ("bytes", "seconds", "busbw")
-        if isinstance(result, dict) and all(isinstance(result.get(k), (int, float)) for k in numbers) \
-                and result["seconds"] > 0 and isinstance(result.get("hosts"), list):
+        if not isinstance(result, dict):
+            continue
+        numbers = [result.get(k) for k in ("bytes", "seconds", "busbw")]
+        if all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in numbers) \
+                and isinstance(result.get("hosts"), list) and result.get("device") in ("cpu", "cuda") \
+                and isinstance(result.get("controller"), str):
+            result["bytes"] = int(result["bytes"])
             return result
     return None
 
 
 def nccl_networks(output):
-    """{host: the network NCCL said it uses there ("IB", "Socket", a plug-in's name)} from NCCL_DEBUG=INFO's log."""
-    return {m["host"]: m["net"] for m in NCCL_NETWORK.finditer(output)}
+    """{host (up to its first dot): the network NCCL said it uses there ("IB", "Socket", a plug-in's name)} from
+    NCCL_DEBUG=INFO's log."""
+    return {m["host"].split(".")[0]: m["net"] for m in NCCL_NETWORK.finditer(output)}
 
 
 def rate(bits_per_s):
@@ -109,8 +119,8 @@ def nccl_row(host, network, infiniband, environment):
     if network is None:
         return "WARN", "NCCL said nothing of its network (no 'Using network' line)", \
             "run the job once with NCCL_DEBUG=INFO and read which network NCCL chose"
-    if network.lower().startswith("ib"):
-        return "ok", f"NCCL uses {network} (InfiniBand/RoCE: {', '.join(infiniband) or 'a plug-in'})", ""
+    if not network.lower().startswith("socket"):  # IB, or a plug-in's network (AWS Libfabric on EFA, ...)
+        return "ok", f"NCCL uses {network}" + (f" ({', '.join(infiniband)})" if infiniband else ""), ""
     if not infiniband:
         return "ok", f"NCCL uses {network}; the host has no InfiniBand or RoCE device", ""
     if environment.get("NCCL_IB_DISABLE", "0") not in ("", "0"):

@@ -21,9 +21,13 @@ NCCL_LOG = """\
 
 def test_the_network_nccl_chose_is_read_per_host_from_its_log():
     assert net.nccl_networks(NCCL_LOG) == {"gpu-a": "IB", "gpu-b": "Socket"}
-    # mpirun relays the lines without a prefix
-    plain = "\n".join(line.split(":", 1)[1] for line in NCCL_LOG.splitlines())
-    assert net.nccl_networks(plain) == {"gpu-a": "IB", "gpu-b": "Socket"}
+    bare = [line.split(":", 1)[1] for line in NCCL_LOG.splitlines()]
+    # horovodrun --mpi's prefixes: Open MPI's --tag-output, MPICH's -l; and none at all
+    for prefix in ("[1,0]<stdout>:", "[0] ", ""):
+        assert net.nccl_networks("\n".join(prefix + line for line in bare)) == {"gpu-a": "IB", "gpu-b": "Socket"}
+    # A plug-in's network of several words; a host name with its domain (NCCL prints the name up to its first dot)
+    line = "[0]<stdout>:gpu-e.cluster.example:77:79 [0] NCCL INFO Using network AWS Libfabric\r\n"
+    assert net.nccl_networks(line) == {"gpu-e": "AWS Libfabric"}
 
 
 def test_sockets_on_a_host_with_infiniband_are_warned_of_naming_the_variable():
@@ -33,6 +37,7 @@ def test_sockets_on_a_host_with_infiniband_are_warned_of_naming_the_variable():
     status, _, fix = net.nccl_row("gpu-b", "Socket", ["mlx5_0"], {"NCCL_IB_DISABLE": "1"})
     assert status == "WARN" and fix == "unset NCCL_IB_DISABLE (it is 1 on gpu-b)"
     assert net.nccl_row("gpu-a", "IB", ["mlx5_0"], {})[0] == "ok"
+    assert net.nccl_row("gpu-e", "AWS Libfabric", ["efa_0"], {})[0] == "ok"  # EFA is listed with InfiniBand
     assert net.nccl_row("gpu-c", "Socket", [], {})[:2] == ("ok", "NCCL uses Socket; the host has no InfiniBand or "
                                                                  "RoCE device")
     assert net.nccl_row("gpu-d", None, ["mlx5_0"], {})[0] == "WARN"
@@ -60,5 +65,7 @@ def test_the_figures_are_read_from_a_line_another_rank_ran_into_and_nothing_else
     line = net.MARKER + json.dumps(figures) + "[1] some other rank's output"
     assert net.read_result("noise\n" + line + "\n") == figures
     assert net.read_result(net.MARKER + '{"bytes": "x"}') is None
+    assert net.read_result(net.MARKER + json.dumps({**figures, "seconds": float("inf")})) is None
+    assert net.read_result(net.MARKER + json.dumps({**figures, "device": None})) is None
     assert net.read_result(net.MARKER + "[1, 2]") is None
     assert net.read_result("nothing here") is None

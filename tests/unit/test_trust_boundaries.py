@@ -254,16 +254,24 @@ def test_a_replayed_or_misaddressed_heartbeat_is_ignored_and_counted():
 
 
 def test_a_peer_s_stack_request_is_answered_once_and_a_forged_one_never(capfd, monkeypatch):
-    monkeypatch.setattr(stacks, "requests", 0)
+    monkeypatch.setattr(stacks, "_answered", {})
+    monkeypatch.setattr(stacks, "_last_dump", -stacks.HOLD_S)
     dog = a_watchdog("machine-b", "10.0.0.2")
-    forged = watchdog.BEAT.pack(1, 5, 1, 7) + bytes(watchdog.MAC_BYTES)
+    dog.receive(beat(dog, 1, 5, 1, stack_requests=2), ("10.0.0.2", 9))  # its first: sent before we listened
+    forged = watchdog.BEAT.pack(1, 5, 2, 7) + bytes(watchdog.MAC_BYTES)
     dog.receive(forged, ("10.0.0.2", 9))
-    assert stacks.requests == 0 and "Python stack" not in capfd.readouterr().err
-    dog.receive(beat(dog, 1, 5, 2, stack_requests=1), ("10.0.0.2", 9))
-    dog.receive(beat(dog, 1, 6, 3, stack_requests=1), ("10.0.0.2", 9))  # the same request again: answered already
+    assert "Python stack" not in capfd.readouterr().err
+    dog.receive(beat(dog, 1, 5, 3, stack_requests=3), ("10.0.0.2", 9))
+    dog.receive(beat(dog, 1, 6, 4, stack_requests=3), ("10.0.0.2", 9))  # the same request again: answered already
     err = capfd.readouterr().err
     assert err.count("every thread's Python stack, as SIGUSR2 to rank 1, passed on to every rank asked") == 1, err
-    assert "test_a_peer_s_stack_request_is_answered_once" in err and stacks.requests == 1
+    assert "test_a_peer_s_stack_request_is_answered_once" in err
+    # Another request within HOLD_S of that dump (a launcher that signalled every rank): that dump answers it.
+    dog.receive(beat(dog, 1, 7, 5, stack_requests=4), ("10.0.0.2", 9))
+    assert "Python stack" not in capfd.readouterr().err and stacks._answered[1] == 4
+    monkeypatch.setattr(stacks, "_last_dump", -stacks.HOLD_S)
+    dog.receive(beat(dog, 1, 8, 6, stack_requests=5), ("10.0.0.2", 9))
+    assert "passed on to every rank" in capfd.readouterr().err
 
 
 def test_an_address_two_hosts_share_identifies_neither():
