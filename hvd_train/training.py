@@ -16,6 +16,7 @@ from hvd_train.guards import interrupt, time_limit, watchdog
 from hvd_train.build import (attach_profiler, build_model_for, build_optimizer, build_task, load_initial_weights,
                              loader_spec, prepare_data, try_a_sample, try_the_metrics)
 from hvd_train.checks import check_shards
+from hvd_train.errors import ConfigError
 from hvd_train.data import DataInfo, LoaderSpec, build_loaders, check_world, is_streamed
 from hvd_train.data import continue_epoch as continue_epoch_of
 from hvd_train.engine import Hooks, StepOptions, Trainer
@@ -88,7 +89,9 @@ def allreduce_options(cfg):
     h = cfg.horovod
     return dict(batches_per_allreduce=h.batches_per_allreduce, fp16_allreduce=h.fp16_allreduce,
                 bf16_allreduce=h.bf16_allreduce, use_adasum=h.use_adasum,
-                gradient_predivide_factor=h.gradient_predivide_factor, elastic=h.elastic, shard=h.shard_optimizer)
+                gradient_predivide_factor=h.gradient_predivide_factor, elastic=h.elastic, shard=h.shard_optimizer,
+                powersgd=(h.powersgd_rank, None if h.powersgd_start_step < 0 else h.powersgd_start_step,
+                          h.powersgd_min_compression) if h.powersgd_rank else None)
 
 
 def trainer(cfg, info, rt, model, task, optimizer, scaled=None):
@@ -147,6 +150,7 @@ def fit(run, loaders):
     train_loader, val_loader, sampler = loaders
     if trainer.ema is not None and not run.resumed_from:  # the average starts from the weights every rank now holds
         trainer.ema.restart(trainer.model)
+    start_compression(cfg, trainer, state, len(train_loader))
     if run.rank_buffers:
         restore_rank_buffers(trainer, run.rank_buffers, state.partial)
     run.outputs = outputs = outputs_for(cfg, run.info, trainer.task, rt.is_main, state, run.run_dir)
@@ -183,6 +187,17 @@ def fit(run, loaders):
         state.set_saves(saves.times.summary())
         watchdog.stop()
         outputs.reporter.close()
+
+
+def start_compression(cfg, trainer, state, steps_per_epoch):
+    """--powersgd-rank: the fp16 scaler handed to the compression and its start step fixed (10% of the run's steps
+    unless given); one past the run's last step is refused, on every rank, before the directory is kept."""
+    run_steps, start = cfg.optim.epochs * steps_per_epoch, cfg.horovod.powersgd_start_step
+    if cfg.horovod.powersgd_rank and start >= run_steps:  # (on one rank too: the same command fails on more)
+        raise ConfigError(f"horovod.powersgd_start_step (--powersgd-start-step)={start}: the run has only "
+                          f"{run_steps} optimizer steps ({cfg.optim.epochs} epochs of {steps_per_epoch}), so PowerSGD "
+                          f"would never start; give a smaller start step, or -1 for 10% of the run")
+    hvd_utils.prepare_compression(trainer.optimizer, trainer.scaler, run_steps, state.step)
 
 
 def continue_epoch(run, train_loader):

@@ -8,6 +8,7 @@ from hvd_utils.metrics import (allreduce_sums, fingerprints_by_rank, gather_floa
 from hvd_utils.optim import (apply_gradients, average_buffers, broadcast_state, buffers_by_rank, checkpoint_state,
                              clip_gradients, distributed_optimizer, lr_scale, optimizer_state_bytes,
                              restore_buffers_by_rank, sync_batch_norm, unscale_gradients)
+from hvd_utils.powersgd_optimizer import describe as describe_compression, prepare as prepare_compression
 from hvd_utils.rank0 import broadcast_module, decide_on_root
 from hvd_utils import timeline
 from hvd_utils.data import shard_sampler
@@ -22,7 +23,8 @@ __all__ = ["timeline", "PeerFailure", "Runtime", "SettingsRefused", "launched_si
            "shard_sampler", "launcher_rank", "run_on_local_root", "shutdown", "started", "world_size",
            "lr_scale", "distributed_optimizer", "apply_gradients", "average_buffers", "broadcast_state",
            "buffers_by_rank", "restore_buffers_by_rank", "checkpoint_state",
-           "clip_gradients", "unscale_gradients", "optimizer_state_bytes",
+           "clip_gradients", "unscale_gradients", "prepare_compression", "describe_compression",
+           "optimizer_state_bytes",
            "sync_batch_norm", "decide_on_root", "broadcast_module", "rank", "allreduce_sums", "summed",
            "sum_across_ranks", "gather_floats", "gather_objects",
            "allreduce_average", "params_fingerprint", "fingerprints_by_rank", "StepVote"]

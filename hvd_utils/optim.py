@@ -12,13 +12,15 @@ import torch
 from horovod.torch.optimizer import _DistributedAdasumOptimizer
 
 from hvd_utils.compression import wire_format
+from hvd_utils.powersgd_optimizer import PowerSGDOptimizer
 from hvd_utils.zero import ShardedOptimizer
 
 
 def checkpoint_state(optimizer, root_rank=0):
     """The optimizer's state for a checkpoint that root_rank writes (a collective): a sharded optimizer's is gathered
-    to that rank alone, so the others never hold the whole of it (None there); any other optimizer's state_dict()."""
-    if isinstance(optimizer, ShardedOptimizer):
+    to that rank alone, so the others never hold the whole of it (None there); PowerSGD's holds every rank's
+    residuals, gathered likewise; any other optimizer's state_dict()."""
+    if isinstance(optimizer, (ShardedOptimizer, PowerSGDOptimizer)):
         return optimizer.state_dict(root_rank=root_rank)
     return optimizer.state_dict()
 
@@ -31,10 +33,13 @@ def lr_scale(world_size, batches_per_allreduce=1, use_adasum=False):
 
 
 def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allreduce=False, bf16_allreduce=False,
-                          use_adasum=False, gradient_predivide_factor=1.0, elastic=False, shard=False):
+                          use_adasum=False, gradient_predivide_factor=1.0, elastic=False, shard=False,
+                          powersgd=None):
     """Horovod: average gradients across ranks with ring-allreduce during backward(). shard: ZeRO-1 instead
     (hvd_utils/zero.py): a reducescatter of the gradients after backward(), each rank stepping a 1/N slice of the
-    weights with its slice of the optimizer state, an allgather of the weights.
+    weights with its slice of the optimizer state, an allgather of the weights. powersgd: (rank, start step or None
+    for 10% of the run, minimum compression): low-rank averaging with error feedback after backward()
+    (hvd_utils/powersgd_optimizer.py).
 
     The wrapper is a new optimizer over the same parameters; state loaded into the old one is not carried over,
     so load checkpoints into the returned optimizer. One process that stays one (not elastic) has nothing to
@@ -47,6 +52,10 @@ def distributed_optimizer(optimizer, model, batches_per_allreduce=1, fp16_allred
     if shard:  # (the config refuses Adasum with it: Adasum combines whole updates, not averaged slices)
         return ShardedOptimizer(optimizer, compression, prescale=1.0 / gradient_predivide_factor,
                                 postscale=gradient_predivide_factor, backward_passes_per_step=batches_per_allreduce)
+    if powersgd:  # (the config refuses Adasum, --shard-optimizer and --elastic with it)
+        rank, start_step, min_compression = powersgd
+        # --batches-per-allreduce: the passes accumulate in .grad, compressed once at the step
+        return PowerSGDOptimizer(optimizer, rank, start_step, min_compression, compression)
     if _has_strided_weights(model):
         compression = _SentContiguous(compression)
     return hvd.DistributedOptimizer(
@@ -106,7 +115,9 @@ def apply_gradients(optimizer, step, before_step=None):
 
 def unscale_gradients(scaler, optimizer):
     """--amp fp16: the gradients divided by the loss scale, and every rank agreeing whether any was infinite (a
-    sharded optimizer's ranks each see a slice)."""
+    sharded optimizer's ranks each see a slice). PowerSGD's optimizer unscaled them before compressing."""
+    if isinstance(optimizer, PowerSGDOptimizer) and optimizer.scaler is not None:
+        return
     scaler.unscale_(optimizer)
     if isinstance(optimizer, ShardedOptimizer):
         optimizer.agree_on_overflow(scaler)
@@ -137,7 +148,7 @@ def broadcast_state(model, optimizer=None, root_rank=0):
     if hvd.size() == 1:  # nobody to copy to (and a CPU-only Horovod build cannot even look at CUDA tensors)
         return
     with default_layout(model, optimizer):  # Horovod takes channels-last weights in the default layout only
-        if isinstance(optimizer, ShardedOptimizer):
+        if isinstance(optimizer, (ShardedOptimizer, PowerSGDOptimizer)):
             optimizer.broadcast_from(root_rank)
         elif optimizer is not None and hvd.broadcast_object(bool(optimizer.state), root_rank, "optimizer_has_state"):
             # Only state that exists: on an empty optimizer Horovod first takes a zero-gradient step to create it,

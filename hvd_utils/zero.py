@@ -210,7 +210,7 @@ class ShardedOptimizer:
             if root_rank is None:
                 full[(i, k)] = self.groups[i].from_gathered(hvd.allgather(part, name=f"zero.state.{n}"))
             else:
-                gathered = _gather_to(root_rank, part, f"zero.state.{n}")
+                gathered = gather_to(root_rank, part, f"zero.state.{n}")
                 if hvd.rank() == root_rank:
                     full[(i, k)] = self.groups[i].from_gathered(gathered)
             del part
@@ -292,12 +292,25 @@ class ShardedOptimizer:
         self.deal(full)
 
 
-def _gather_to(root_rank, tensor, name):
+def gather_to(root_rank, tensor, name):
     """Every rank's `tensor`, back to back in rank order, on root_rank alone (an alltoall in which every rank sends
     all of it there and nothing elsewhere: Horovod has no gather); the other ranks get an empty tensor."""
     splits = torch.zeros(hvd.size(), dtype=torch.int32)
     splits[root_rank] = tensor.numel()
     out = hvd.alltoall(tensor, splits=splits, name=name)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def scatter_from(root_rank, tensors, name, dtype=torch.float32):
+    """root_rank's `tensors` (one per rank, all of one length) dealt out: rank k gets tensors[k] (an alltoall in
+    which only root_rank sends); the other ranks pass None."""
+    splits = torch.zeros(hvd.size(), dtype=torch.int32)
+    if hvd.rank() == root_rank:
+        sent = torch.cat([t.reshape(-1).cpu() for t in tensors])
+        splits[:] = tensors[0].numel()
+    else:
+        sent = torch.zeros(0, dtype=dtype)
+    out = hvd.alltoall(sent, splits=splits, name=name)
     return out[0] if isinstance(out, tuple) else out
 
 

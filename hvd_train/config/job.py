@@ -19,6 +19,14 @@ class HorovodConfig(_Section):
     shard_optimizer: bool = opt(False, "ZeRO-1: each rank keeps the optimizer state of 1/N of the weights "
                                 "(reducescatter, step a slice, allgather); element-wise optimizers",
                                 flags=("shard-optimizer",))
+    powersgd_rank: int = opt(0, "average the gradients as PowerSGD low-rank factors of this rank, with error "
+                             "feedback (1-4; far fewer bytes on slow links, docs/speed.md); 0: off",
+                             flags=("powersgd-rank",))
+    powersgd_start_step: int = opt(-1, "PowerSGD: optimizer steps of plain averaging before the compression starts "
+                                   "(-1: 10% of the run's steps)", flags=("powersgd-start-step",))
+    powersgd_min_compression: float = opt(2.0, "PowerSGD: a tensor whose factors would not be this many times "
+                                          "smaller goes through the plain average (1-d tensors always do)",
+                                          flags=("powersgd-min-compression",))
     gradient_predivide_factor: float = opt(1.0, "divide gradients by this before the allreduce, the rest after")
     sync_bn: bool = opt(False, "batch-norm statistics computed over all ranks (hvd.SyncBatchNorm)", flags=("sync-bn",))
     elastic: bool = opt(False, "elastic training under horovodrun --min-np/--max-np --host-discovery-script",
@@ -46,6 +54,22 @@ class HorovodConfig(_Section):
         _require(not (self.use_adasum and self.bf16_allreduce), "horovod.bf16_allreduce (--bf16-allreduce)", True,
                  "cannot be combined with --use-adasum: Horovod's Adasum reduces float16, float32 and float64 only; "
                  "leave out one of them")
+        _require(self.powersgd_rank >= 0, "horovod.powersgd_rank (--powersgd-rank)", self.powersgd_rank,
+                 "must be a rank of 1 or more (1-4 is usual), or 0 for no PowerSGD")
+        _require(self.powersgd_start_step >= -1, "horovod.powersgd_start_step (--powersgd-start-step)",
+                 self.powersgd_start_step, "must be a number of optimizer steps, or -1 for 10% of the run's steps")
+        _require(self.powersgd_min_compression >= 1, "horovod.powersgd_min_compression (--powersgd-min-compression)",
+                 self.powersgd_min_compression, "must be a factor of 1 or more, e.g. 2 (DDP's default)")
+        if self.powersgd_rank:
+            for on, flag, why in ((self.use_adasum, "--use-adasum", "Adasum combines whole updates, not averages"),
+                                  (self.shard_optimizer, "--shard-optimizer", "a sharded optimizer reduce-scatters "
+                                   "whole gradients"),
+                                  (self.elastic, "--elastic", "the residuals are each rank's own and would be lost "
+                                   "at a reset"),
+                                  (self.gradient_predivide_factor != 1.0, "--horovod.gradient_predivide_factor",
+                                   "PowerSGD averages its factors as they are")):
+                _require(not on, "horovod.powersgd_rank (--powersgd-rank)", self.powersgd_rank,
+                         f"cannot be combined with {flag}: {why}; leave out one of them")
         _require(not (self.use_adasum and self.shard_optimizer), "horovod.shard_optimizer (--shard-optimizer)", True,
                  "cannot be combined with --use-adasum: Adasum combines whole updates, a sharded optimizer steps "
                  "slices of averaged gradients; leave out one of them")

@@ -214,9 +214,25 @@ def log_setup(cfg, rt, info, trainer, resumed_epoch):
         log.info("optimizer state sharded over %d ranks (ZeRO-1, --shard-optimizer): %s state for %.2fM "
                  "parameters on this rank; checkpoints hold it whole", rt.size, cfg.optim.optimizer,
                  sum(g.length for g in trainer.optimizer.groups) / 1e6)
+    log_compression(cfg, rt, trainer.optimizer)
     if cfg.model.compile:
         log.info("torch.compile (mode %s): the first training step compiles the model (and the first validation "
                  "batch again, for eval mode), so epoch 1 takes longer", cfg.model.compile_mode)
+
+
+def log_compression(cfg, rt, optimizer):
+    """--powersgd-rank: the rank, the start step, which tensors it compresses and a step's bytes with and without."""
+    plan = hvd_utils.describe_compression(optimizer)
+    if plan is None:
+        if cfg.horovod.powersgd_rank:
+            log.info("PowerSGD: off on one rank (there is nothing to average)")
+        return
+    log.info("PowerSGD rank %d from optimizer step %d: %d tensors compressed, %d averaged as they are; a step "
+             "sends %.3g MB per rank instead of %.3g MB (%.1fx fewer bytes)", plan["rank"], plan["start_step"],
+             plan["compressed"], plan["plain"], plan["bytes_powersgd"] / 1e6, plan["bytes_plain"] / 1e6,
+             plan["ratio"])
+    if plan["restarted"]:
+        log.info("PowerSGD: %s", plan["restarted"])
 
 
 def log_rescale(cfg, resumed, steps_per_epoch, now):

@@ -243,6 +243,9 @@ class AfterEpoch:
         cfg, task = self.cfg, self.trainer.task
         # Time to accuracy, counted from the start of the first process of the run (resumes included).
         record["wall_seconds"] = self.state.wall_seconds()
+        compression = hvd_utils.describe_compression(self.trainer.optimizer)
+        if compression is not None:  # --powersgd-rank: bytes a plain average sends per byte sent (1 before start)
+            record["compression_ratio"] = round(compression["ratio"], 2) if compression["compressing"] else 1.0
         better = self.state.add(task, record)
         value, weights = candidate(task, record)
         if self.trainer.ema is not None:

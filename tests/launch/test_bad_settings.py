@@ -49,6 +49,13 @@ BAD_SETTINGS = [
     (["--shard-optimizer", "--channels-last"], "cannot be combined with --channels-last"),
     (["--bf16-allreduce", "--fp16-allreduce"], "--bf16-allreduce)=True: cannot be combined with --fp16-allreduce"),
     (["--bf16-allreduce", "--use-adasum"], "Adasum reduces float16, float32 and float64 only"),
+    (["--powersgd-rank", "-1"], "horovod.powersgd_rank (--powersgd-rank)=-1: must be a rank of 1 or more"),
+    (["--powersgd-rank", "2", "--powersgd-min-compression", "0.5"], "=0.5: must be a factor of 1 or more"),
+    (["--powersgd-rank", "2", "--powersgd-start-step", "-3"], "must be a number of optimizer steps, or -1"),
+    (["--powersgd-rank", "2", "--shard-optimizer"], "=2: cannot be combined with --shard-optimizer"),
+    (["--powersgd-rank", "4", "--use-adasum"], "=4: cannot be combined with --use-adasum"),
+    (["--powersgd-rank", "2", "--epochs", "2", "--powersgd-start-step", "90"],
+     "--powersgd-start-step)=90: the run has only 88 optimizer steps (2 epochs of 44), so PowerSGD would never"),
 ]
 
 

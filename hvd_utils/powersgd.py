@@ -1,0 +1,123 @@
+"""PowerSGD's arithmetic (Vogels, Karimireddy and Jaggi, NeurIPS 2019): low-rank gradient averaging with error
+feedback, over any averaging collective. hvd_utils/powersgd_optimizer.py runs it over Horovod's.
+
+Each compressed gradient, viewed as a matrix M (n x m: its first dimension by the rest), plus what this rank left
+out of its earlier gradients (error feedback), is averaged as P Q^T: P = M Q averaged over the ranks (one fused
+allreduce of every layer's P, with the uncompressed tensors beside it), orthonormalized, Q = M^T P averaged (one
+fused allreduce). Each rank keeps M - P Q^T for its next step; Q is carried to the next step (warm start: one power
+iteration a step refines the same subspace). With a full rank, P spans M's columns and P Q^T is the plain mean.
+
+The bytes a step sends: (n + m) x rank per compressed tensor instead of n x m.
+"""
+import math
+
+import torch
+
+SEED = 0x5EED  # Q's first values: the same on every rank, from a generator of its own (no rank's RNG stream moves)
+
+
+def matrix_shape(shape):
+    """How a gradient of `shape` is viewed as a matrix: its first dimension by the product of the others."""
+    return shape[0], math.prod(shape[1:])
+
+
+def worth_compressing(shape, rank, min_compression):
+    """A tensor of 2 or more dimensions whose rank-`rank` factors would take at most 1/min_compression of its
+    elements (DDP's rule); 1-d and small tensors go through the plain average."""
+    if len(shape) < 2:
+        return False
+    n, m = matrix_shape(shape)
+    return n * m >= min_compression * (n + m) * min(rank, n, m)
+
+
+def orthonormalize_(p, eps=1e-8):
+    """p's columns made orthonormal in place (Gram-Schmidt; eps keeps a zero column finite)."""
+    for i in range(p.shape[1]):
+        col = p[:, i:i + 1]
+        if i:
+            col -= p[:, :i] @ (p[:, :i].T @ col)
+        col /= col.norm() + eps
+    return p
+
+
+class Plan:
+    """Which of a list of tensor shapes are compressed (by index, with their matrix shapes and the rank each gets:
+    at most the matrix's smaller side), which are averaged as they are, and the elements each way sends."""
+
+    def __init__(self, shapes, rank, min_compression):
+        self.rank, self.min_compression = rank, min_compression
+        self.compressed = {i: (*matrix_shape(s), min(rank, *matrix_shape(s))) for i, s in enumerate(shapes)
+                           if worth_compressing(s, rank, min_compression)}
+        self.plain = [i for i in range(len(shapes)) if i not in self.compressed]
+        self.full_elements = sum(math.prod(s) for s in shapes)
+        self.plain_elements = sum(math.prod(shapes[i]) for i in self.plain)
+        self.factor_elements = sum((n + m) * r for n, m, r in self.compressed.values())
+
+    @property
+    def sent_elements(self):
+        return self.plain_elements + self.factor_elements
+
+    @property
+    def ratio(self):
+        """Elements a plain average sends per element PowerSGD sends."""
+        return self.full_elements / max(1, self.sent_elements)
+
+    def key(self):
+        """What a saved state must match to be carried on: the rank and each compressed tensor's matrix."""
+        return [self.rank, sorted((i, n, m, r) for i, (n, m, r) in self.compressed.items())]
+
+
+class LowRank:
+    """One rank's PowerSGD state over a fixed list of tensors: Q per compressed tensor (the same on every rank) and
+    this rank's residuals (its own). reduce() averages one list of gradients."""
+
+    def __init__(self, plan, device):
+        self.plan = plan
+        gen = torch.Generator().manual_seed(SEED)
+        self.q = {i: torch.randn(m, r, generator=gen).to(device) for i, (n, m, r) in sorted(plan.compressed.items())}
+        self.residuals = None  # {i: n x m}, made at the first compressed step
+
+    def reduce(self, grads, mean):
+        """The average over the ranks of `grads` (one per planned tensor, any dtype), compressed where planned.
+        mean(list of (name, flat tensor)) -> their averages over the ranks, run together (every rank calls it
+        the same way). Returns new tensors shaped and typed like `grads`."""
+        plan, out = self.plan, [None] * len(grads)
+        if self.residuals is None:
+            self.residuals = {i: torch.zeros(n, m, device=grads[i].device) for i, (n, m, _) in plan.compressed.items()}
+        order = sorted(plan.compressed)
+        ms = {i: grads[i].detach().float().reshape(self.residuals[i].shape) + self.residuals[i] for i in order}
+        ps = [ms[i] @ self.q[i] for i in order]
+        sent = [("powersgd.p", _flat(ps))]
+        if plan.plain:
+            sent.append(("powersgd.plain", _flat([grads[i].detach().float() for i in plan.plain])))
+        averaged = mean(sent)
+        ps = [orthonormalize_(p) for p in _unflat(averaged[0], ps)]
+        local_qs = [ms[i].T @ p for i, p in zip(order, ps)]  # M^T P: this rank's, averaged next
+        if plan.plain:
+            for i, g in zip(plan.plain, _unflat(averaged[1], [grads[i] for i in plan.plain])):
+                out[i] = g.to(grads[i].dtype)
+        qs = mean([("powersgd.q", _flat(local_qs))])[0]
+        for i, p, q in zip(order, ps, _unflat(qs, local_qs)):
+            self.q[i] = q.clone()  # warm start: the next step's power iteration begins from it
+            approx = p @ q.T
+            self.residuals[i] = ms[i] - approx  # error feedback: what this rank's average left out of its own
+            out[i] = approx.reshape(grads[i].shape).to(grads[i].dtype)
+        return out
+
+
+def plain_mean(grads, mean):
+    """The uncompressed average of `grads` (before the start step): one fused collective."""
+    averaged = mean([("powersgd.all", _flat([g.detach() for g in grads]))])[0]
+    return [a.to(g.dtype) for a, g in zip(_unflat(averaged, grads), grads)]
+
+
+def _flat(tensors):
+    return torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)
+
+
+def _unflat(flat, like):
+    out, at = [], 0
+    for t in like:
+        out.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
