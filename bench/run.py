@@ -14,6 +14,7 @@ runs/bench/<date>.json and .md (runs/ is ignored by git; --results-dir puts them
     python bench/run.py --sections shard   # --shard-optimizer (ZeRO-1) against the whole state on every rank
     python bench/run.py --sections memory  # each rank's resident memory in training runs with checkpoints, sharded
     python bench/run.py --sections timing  # what the per-rank step time accounting costs, on and off
+    python bench/run.py --sections slowlink  # PowerSGD against DDP's hook across two hosts on a 200 Mbit/s link
 """
 import argparse
 import datetime
@@ -34,7 +35,7 @@ from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row
 PY = sys.executable
 BIN = os.path.dirname(PY)
 SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "mpi", "tuning", "compile", "accuracy", "data",
-            "pipeline", "recipe", "checkpoint", "shard", "memory", "timing")
+            "pipeline", "recipe", "checkpoint", "shard", "memory", "timing", "slowlink")
 APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
 APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
 # Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
@@ -622,6 +623,73 @@ def section_memory(b):
                 rows.append(ratio_row(f"{what}, rank {rank}, {setting}", compared, "< 1",
                                       [x[rank][k] for x in sharded], [x[rank][k] for x in whole], unit="MB"))
     return rows
+
+
+def section_slowlink(b):
+    """Training over a slow link: two namespace hosts (bench/slowlink.py) joined at 200 Mbit/s each way, one rank
+    and one thread a host, a communication-bound wide MLP (bench/mlp.py's build_wide: 5.8M parameters, 23 MB of
+    gradients a step). Samples/s of the app with a float32 wire, with --bf16-allreduce, with PowerSGD at ranks 1, 2
+    and 4, and of torchrun + DDP (Gloo) with DDP's powerSGD_hook at the same rank and start step (one bucket: with
+    several, the hook over Gloo fails on this torch), in turn each repeat. Then the quality: the digits on 2 local
+    ranks with that MLP, with and without PowerSGD at rank 4, one run each per seed (3 seeds)."""
+    import slowlink
+
+    q = b.args.quick
+    model, size, batch = ("small_cnn", 28, 8) if q else ("bench.mlp:build_wide", 32, 32)
+    steps = (2, 2, 2) if q else (3, 5, 4)  # the warm-up covers the plain start steps (2, DDP's least)
+    ranks, start = ((1,) if q else (1, 2, 4)), "2"
+    env = {"OMP_NUM_THREADS": "1"}
+    name = f"slow link (200 Mbit/s), {model} {size}px batch {batch}/rank, 2 hosts"
+    with slowlink.two_hosts(b.workdir, "200mbit") as cluster:
+        def app(extra=()):
+            out = b.out("app")
+            slowlink.run(cluster, slowlink.horovodrun(cluster) + [
+                os.path.join(ROOT, "train_hvd.py"), "--benchmark", *b.step_flags(model, size, batch, steps),
+                "--output-dir", out, "--logging.progress", "false", *extra], env)
+            with open(os.path.join(out, "summary.json")) as f:
+                return json.load(f)["img_per_sec_total"]
+
+        def ddp(rank):
+            out = b.out("ddp_powersgd") + ".json"
+            slowlink.torchrun(cluster, [os.path.join(ROOT, "bench", "ddp_peer.py"),
+                                        *b.step_flags(model, size, batch, steps), "--out", out, "--threads", "1",
+                                        "--powersgd-rank", str(rank), "--powersgd-start-step", start,
+                                        "--bucket-cap-mb", "1024"], env)
+            with open(out) as f:
+                return json.load(f)["img_per_sec_total"]
+
+        runs = {"fp32": app, "bf16": lambda: app(["--bf16-allreduce"])}
+        for r in ranks:
+            runs[f"app{r}"] = lambda r=r: app(["--powersgd-rank", str(r), "--powersgd-start-step", start])
+            runs[f"ddp{r}"] = lambda r=r: ddp(r)
+        rates = b.rotate(runs)
+    rows = [ratio_row(name, "app --bf16-allreduce / app float32", "about 2 (half the bytes)", rates["bf16"],
+                      rates["fp32"], unit="samples/s")]
+    for r in ranks:
+        rows.append(ratio_row(name, f"app --powersgd-rank {r} / torchrun DDP powerSGD_hook rank {r} (Gloo)",
+                              ">= 1.0", rates[f"app{r}"], rates[f"ddp{r}"], unit="samples/s"))
+        rows.append(ratio_row(name, f"app --powersgd-rank {r} / app float32", ">= 2.0", rates[f"app{r}"],
+                              rates["fp32"], unit="samples/s"))
+    return rows + powersgd_quality(b, model="small_cnn" if q else "bench.mlp:build_wide")
+
+
+def powersgd_quality(b, model):
+    """Best val top-1 on the digits (2 ranks here), PowerSGD rank 4 (from 10% of the steps) against none, a pair of
+    runs per seed."""
+    epochs, seeds = ("1", (1,)) if b.args.quick else ("15", (1, 2, 3))
+
+    def top1(seed, extra=()):
+        out = b.out("digits")
+        run(horovodrun(2, "gloo") + ["train_hvd.py", "--model", model, "--epochs", epochs, "--seed", str(seed),
+                                     "--output-dir", out, "--logging.progress", "false", *extra], job_env())
+        with open(os.path.join(out, "summary.json")) as f:
+            return json.load(f)["best_val_acc1"]
+
+    xs = [top1(s, ["--powersgd-rank", "4"]) for s in seeds]
+    ys = [top1(s) for s in seeds]
+    return [ratio_row(f"digits, {model}, 2 ranks, {epochs} epochs, seeds {','.join(map(str, seeds))}",
+                      "best val top-1: --powersgd-rank 4 minus no compression (points)", ">= -1.0", xs, ys,
+                      unit="top-1 %", fn=lambda x, y: x - y)]
 
 
 def mean_sd(values):

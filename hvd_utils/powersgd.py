@@ -27,17 +27,14 @@ def worth_compressing(shape, rank, min_compression):
     if len(shape) < 2:
         return False
     n, m = matrix_shape(shape)
-    return n * m >= min_compression * (n + m) * min(rank, n, m)
+    return n * m > min_compression * (n + m) * min(rank, n, m)
 
 
-def orthonormalize_(p, eps=1e-8):
-    """p's columns made orthonormal in place (Gram-Schmidt; eps keeps a zero column finite)."""
-    for i in range(p.shape[1]):
-        col = p[:, i:i + 1]
-        if i:
-            col -= p[:, :i] @ (p[:, :i].T @ col)
-        col /= col.norm() + eps
-    return p
+def orthonormalize_(p):
+    """p's columns made orthonormal in place: a QR's Q (as DDP's hook above rank 2). One pass of Gram-Schmidt is
+    far from orthonormal where M's rank is below R or its singular values spread out (P Q^T then overshot M 2.5x);
+    QR also gives a zero or tiny P orthonormal columns, so Q never gets stuck at zero."""
+    return p.copy_(torch.linalg.qr(p).Q)
 
 
 class Plan:
@@ -82,9 +79,13 @@ class LowRank:
         mean(list of (name, flat tensor)) -> their averages over the ranks, run together (every rank calls it
         the same way). Returns new tensors shaped and typed like `grads`."""
         plan, out = self.plan, [None] * len(grads)
+        if not plan.compressed:  # nothing worth compressing (a small model, a high rank): the plain average
+            return plain_mean(grads, mean)
         if self.residuals is None:
             self.residuals = {i: torch.zeros(n, m, device=grads[i].device) for i, (n, m, _) in plan.compressed.items()}
         order = sorted(plan.compressed)
+        for i in order:  # Q orthonormal first (the same on every rank): P keeps M's scale, not its square's
+            orthonormalize_(self.q[i])
         ms = {i: grads[i].detach().float().reshape(self.residuals[i].shape) + self.residuals[i] for i in order}
         ps = [ms[i] @ self.q[i] for i in order]
         sent = [("powersgd.p", _flat(ps))]
@@ -100,8 +101,8 @@ class LowRank:
         for i, p, q in zip(order, ps, _unflat(qs, local_qs)):
             self.q[i] = q.clone()  # warm start: the next step's power iteration begins from it
             approx = p @ q.T
-            self.residuals[i] = ms[i] - approx  # error feedback: what this rank's average left out of its own
             out[i] = approx.reshape(grads[i].shape).to(grads[i].dtype)
+            self.residuals[i] = ms[i].sub_(approx)  # error feedback: what the average left out of this rank's own
         return out
 
 

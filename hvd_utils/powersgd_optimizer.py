@@ -119,10 +119,9 @@ class PowerSGDOptimizer:
 
     def compression_state(self, root_rank=None):
         res = self.lowrank.residuals
-        has = res is not None
         residuals = None
-        if has:
-            own = torch.cat([res[i].reshape(-1) for i in sorted(res)])
+        if res:  # on the CPU: rank 0 holds every rank's at a checkpoint, never on its GPU
+            own = torch.cat([res[i].reshape(-1) for i in sorted(res)]).cpu()
             if root_rank is None:
                 residuals = list(hvd.allgather(own.unsqueeze(0), name="powersgd.residuals").cpu())
             else:

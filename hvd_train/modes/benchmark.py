@@ -132,6 +132,9 @@ def run(cfg, rt):
     trainer.opts.show_progress = False  # steps are timed: no bar
     hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
     b = cfg.benchmark
+    # --powersgd-rank: from its start step (10% of the timed and warm-up steps unless given)
+    hvd_utils.prepare_compression(trainer.optimizer, trainer.scaler,
+                                  b.num_warmup_batches + b.num_iters * b.num_batches_per_iter)
     inputs = f"{cfg.data.dataset}'s samples" if uses_own_data(cfg) else \
         f"{channels}x{info.image_size}x{info.image_size} images"
     log.info("benchmark: model %s, %s, batch %d per rank x %d rank(s), %d warm-up steps, %d "

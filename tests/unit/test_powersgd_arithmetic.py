@@ -108,3 +108,30 @@ def test_orthonormal_columns_and_the_plain_mean_before_the_start():
     out = Ranks(2).run(lambda r, m: plain_mean(grads[r], m))
     for i in range(len(SHAPES)):
         assert torch.equal(out[0][i], (grads[0][i] + grads[1][i]) / 2)
+
+
+def test_a_low_rank_gradient_is_averaged_exactly_and_a_zero_step_does_not_stick():
+    # After a step whose gradients were all zero (a layer no rank's batch reached), Q = M^T P is zero; the next
+    # step must still average (Q orthonormalized first), and a gradient of rank 1 < R exactly (P spans M).
+    plan = Plan([(64, 48)], rank=4, min_compression=2)
+    gen = torch.Generator().manual_seed(3)
+    direction = torch.randn(64, 1, generator=gen) @ torch.randn(1, 48, generator=gen)
+    grads = [[direction * (r + 1)] for r in range(2)]
+
+    def work(r, mean):
+        low = LowRank(plan, "cpu")
+        first = low.reduce([torch.zeros(64, 48)], mean)[0]
+        return first, low.reduce(grads[r], mean)[0]
+
+    for first, second in Ranks(2).run(work):
+        assert torch.equal(first, torch.zeros(64, 48))
+        torch.testing.assert_close(second, direction * 1.5, rtol=1e-4, atol=1e-4)
+
+
+def test_nothing_worth_compressing_is_the_plain_mean_with_no_residuals():
+    plan = Plan([(5,), (3, 2)], rank=4, min_compression=2)
+    assert not plan.compressed
+    grads = [grads_of(r, [(5,), (3, 2)]) for r in range(2)]
+    lows = [LowRank(plan, "cpu") for _ in range(2)]
+    out = Ranks(2).run(lambda r, m: lows[r].reduce(grads[r], m))
+    assert torch.equal(out[0][1], (grads[0][1] + grads[1][1]) / 2) and lows[0].residuals is None
