@@ -12,16 +12,16 @@ Its state (the step count, Q, every rank's residuals) travels in the optimizer's
 epoch and step checkpoints hold it and a resume on as many ranks goes on bitwise; on another number of ranks the
 residuals, each a rank's own, start again from zero (said in one line).
 """
-import contextlib
 
 import horovod.torch as hvd
 import torch
 
 from hvd_utils.powersgd import LowRank, Plan, plain_mean
+from hvd_utils.wrapped import WrappedOptimizer
 from hvd_utils.zero import gather_to, scatter_from
 
 
-class PowerSGDOptimizer:
+class PowerSGDOptimizer(WrappedOptimizer):
     """`optimizer` (over the model's parameters, not stepped yet) whose gradients are averaged by PowerSGD at
     `rank` from step `start_step` (None: set later by prepare(), from the run's steps); `compression`: what P, Q
     and the uncompressed tensors travel as (Horovod's fp16, the app's bf16, or none)."""
@@ -37,19 +37,6 @@ class PowerSGDOptimizer:
         self.synced = False
         self.loaded = None     # the compression state load_state_dict() took, until broadcast_from() deals it
         self.restarted = None  # why a resumed run's compression state started again, for the run's log
-
-    # The optimizer's face: the schedule sets param_groups' rates, the scaler unscales their gradients.
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
 
     def attach_scaler(self, scaler):
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
@@ -97,10 +84,6 @@ class PowerSGDOptimizer:
             sent, ctx = self.compression.compress(tensor)
             handles.append((hvd.allreduce_async(sent, op=hvd.Average, name=name), ctx))
         return [self.compression.decompress(hvd.synchronize(h), ctx).float() for h, ctx in handles]
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        yield
 
     def step(self, closure=None):
         if not self.synced:

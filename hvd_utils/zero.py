@@ -14,7 +14,6 @@ ordinary unsharded form (gathered from every rank: a collective) and goes into l
 checkpoints move between sharded and unsharded runs and across world sizes. Measured cost: docs/memory.md.
 """
 import collections
-import contextlib
 import os
 
 import horovod.torch as hvd
@@ -22,6 +21,7 @@ import torch
 
 from hvd_utils.flat import FlatGroup
 from hvd_utils.rank0 import broadcast_state_dict
+from hvd_utils.wrapped import WrappedOptimizer
 
 GATHERS_IN_FLIGHT = 4  # allgathers of buckets under way at once: their outputs are what the step holds extra
 
@@ -32,7 +32,7 @@ class GatheredState(dict):
     written_as_is = True
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(WrappedOptimizer):
     """`optimizer` (built over the model's parameters, not stepped yet) turned into ZeRO-1: its parameter groups
     now hold this rank's slices, so its state covers 1/N of the weights. Used like hvd.DistributedOptimizer:
     zero_grad(), backward(), then step() (or synchronize(), look at the averaged slice gradients, then step() inside
@@ -60,19 +60,6 @@ class ShardedOptimizer:
         for params in self.params:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
-
-    # The optimizer's face: the schedule sets param_groups' rates, the scaler unscales their gradients.
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
 
     def layout(self):
         """Slices for the current world size; the state of earlier slices is dropped (load_state_dict brings it)."""
@@ -141,10 +128,6 @@ class ShardedOptimizer:
             if self.committed is None:
                 raise RuntimeError("--shard-optimizer: the ranks changed without the optimizer state being reloaded")
             self.deal(self.committed)
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        yield
 
     def step(self, closure=None):
         if not self.synced:
