@@ -10,12 +10,13 @@ READY := $(VENV)/.hvd-train-ready
 # The programs the test suite starts besides the app (SLURM, munge): installed once, for make test only.
 TEST_TOOLS := $(VENV)/.hvd-train-test-tools
 
-.PHONY: setup demo test test-builds test-images bench lint clean help
+.PHONY: setup demo test test-extended test-builds test-images bench lint clean help
 
 help:
 	@echo "make setup   create .venv, install OpenMPI if missing, build Horovod against torch (cached)"
 	@echo "make demo    train the small CNN on the digits with $(NP) Horovod ranks, print the summary"
 	@echo "make test    run the test suite (real horovodrun and mpirun launches on the CPU; not the builds or images)"
+	@echo "make test-extended  the tests make test leaves out for time: scenarios again under other launchers, the bench's quick runs"
 	@echo "make test-builds  compile the NCCL build and the offline build against another torch, and train with each"
 	@echo "make test-images  build both Docker images and train in and across containers (needs a Docker engine)"
 	@echo "make bench   benchmark against bare PyTorch, torchrun DDP and raw allreduce; writes runs/bench/<date>.{json,md}"
@@ -44,6 +45,13 @@ TEST_WORKERS ?= 3
 
 test: setup lint $(TEST_TOOLS)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30
+
+# Tests marked `extended` repeat a scenario make test already runs (under another launcher, with another model) or run
+# the bench's sections on their quick settings: about a fifth of the suite's CPU time, left out so that make test
+# fits CI's 45 minutes on a 2-core machine with a core kept busy. Run them before a release or after changing a
+# launcher's handling or the bench.
+test-extended: setup $(TEST_TOOLS)
+	$(PY) -m pytest -m extended -n $(TEST_WORKERS) --dist loadgroup --durations=10
 
 # The Horovod builds beyond the CPU one: minutes of compiling on a new machine (marked `build`, left out of make test
 # like the images, so that the suite fits CI's time on a slow 2-core machine).

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, job_env, read_json
 
 # Namespace hosts have fixed names: one cluster at a time (make test runs files side by side).
-pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.distributed, pytest.mark.extended, pytest.mark.xdist_group("cluster")]
 
 
 def test_the_slow_link_section_writes_every_row(tmp_path):

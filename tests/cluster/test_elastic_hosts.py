@@ -169,6 +169,7 @@ def test_a_host_that_joins_grows_the_job_and_the_rate_and_shards_follow(three_ho
     assert history[-1]["train_count"] == 1438
 
 
+@pytest.mark.extended
 def test_a_worker_that_joined_writes_the_whole_run_when_the_first_host_dies(three_hosts, tmp_path):
     # node-b trains alone, node-c joins after epoch 1, node-b (rank 0) dies after epoch 3: node-c, which saw
     # neither epoch 1 nor the start, finishes as rank 0 and writes the whole history.

@@ -83,7 +83,7 @@ def test_a_refused_setting_under_horovodrun_is_one_line_and_the_ranks_exit_code(
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun-gloo"])
+@pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=pytest.mark.extended), "horovodrun-gloo"])
 def test_a_recipe_one_rank_alone_refuses_stops_the_job_at_once_with_rank_0_naming_it(tmp_path, launcher):
     # Rank 1's copy of the recipe holds a type error, rank 0's is fine: rank 1 tells the others as Horovod starts,
     # and the job stops there (it waited a minute for the launcher, then printed from rank 1 itself).

@@ -18,7 +18,7 @@ TINY = ["--model", "small_cnn", "--image-size", "12", "--batch-size", "8", "--nu
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+@pytest.mark.parametrize("launcher", [pytest.param("horovodrun-gloo", marks=pytest.mark.extended), "mpirun"])
 def test_benchmark_mode_reports_images_per_second_per_rank_and_in_total(tmp_path, launcher):
     proc = launch(launcher, 2, TRAIN, "--benchmark", *TINY, "--output-dir", tmp_path, *QUIET)
     s = read_json(tmp_path / "summary.json")
@@ -163,6 +163,7 @@ def bench_files():
 
 
 @pytest.mark.distributed
+@pytest.mark.extended
 def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path):
     # Without --results-dir the results go under runs/bench/ (ignored by git), not into bench/: read from the
     # argument parser, so no benchmark runs for it.
@@ -237,6 +238,7 @@ def test_make_bench_pipeline_writes_a_table_and_never_replaces_a_result(tmp_path
 
 
 @pytest.mark.distributed
+@pytest.mark.extended
 def test_bench_comm_and_compile_sections_write_their_rows(tmp_path):
     cmd = [sys.executable, "bench/run.py", "--quick", "--repeats", "1", "--sections", "comm,compile",
            "--results-dir", str(tmp_path)]
@@ -255,6 +257,7 @@ def test_bench_comm_and_compile_sections_write_their_rows(tmp_path):
     assert sum("/ MPI_Allreduce (HVD_TRAIN_SHM_ALLREDUCE=0)" in c for _, c in rows) == 1
 
 
+@pytest.mark.extended
 def test_bench_recipe_section_compares_the_recipes_with_timms_loop(tmp_path):
     cmd = [sys.executable, "bench/run.py", "--quick", "--repeats", "1", "--sections", "recipe", "--results-dir",
            str(tmp_path)]
@@ -275,6 +278,7 @@ def test_bench_refuses_unknown_sections():
     assert proc.returncode == 2 and "unknown speed" in proc.stderr
 
 
+@pytest.mark.extended
 def test_gpu_acceptance_pipeline_on_the_cpu_writes_its_doc_section_once(tmp_path):
     doc = tmp_path / "benchmarks.md"
     original = (ROOT / "docs" / "benchmarks.md").read_text()

@@ -35,6 +35,7 @@ def test_a_compiled_step_on_2_ranks_equals_an_eager_step_on_1_rank_with_double_b
 # compiled cold at once, 2 ranks each).
 @pytest.mark.distributed
 @pytest.mark.xdist_group("compile_default")
+@pytest.mark.extended
 def test_a_compiled_run_resumes_into_an_eager_one_and_back(tmp_path):
     out = tmp_path / "run"
     proc = train("horovodrun-mpi", 2, out, "--compile", "--epochs", "1")

@@ -8,7 +8,7 @@ from workers.uneven_metrics import fixed_samples
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", pytest.param("mpirun", marks=pytest.mark.extended)])
 def test_one_step_on_2_ranks_equals_1_rank_with_double_batch(tmp_path, worker, launcher):
     batch = 16
     launch(launcher, 2, worker("grad_step.py"), tmp_path / "np2.pt", batch)
@@ -27,7 +27,7 @@ def _initial_params():
     return build_model("small_cnn", 1, 10, 8).state_dict()
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun-mpi", "mpirun"])
+@pytest.mark.parametrize("launcher", ["horovodrun-mpi", pytest.param("mpirun", marks=pytest.mark.extended)])
 def test_ranks_seeded_differently_are_identical_after_initial_broadcast(tmp_path, worker, launcher):
     launch(launcher, 2, worker("broadcast_seeds.py"), tmp_path)
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
@@ -69,7 +69,7 @@ def test_validation_metrics_are_exact_when_shards_are_uneven(uneven_results, num
         assert result["loss"] == pytest.approx(expected_loss, rel=1e-5)
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+@pytest.mark.parametrize("launcher", [pytest.param("horovodrun-gloo", marks=pytest.mark.extended), "mpirun"])
 def test_every_rank_ends_training_with_identical_parameters(tmp_path, worker, launcher):
     launch(launcher, 2, worker("fit_sync.py"), tmp_path)
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")

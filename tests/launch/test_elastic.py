@@ -16,7 +16,8 @@ pytestmark = pytest.mark.distributed
 COMMIT_EVERY = 5
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["", "shard-optimizer"])
+@pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.extended)],
+                         ids=["", "shard-optimizer"])
 def test_a_killed_worker_leaves_the_survivor_to_finish_with_at_most_one_commit_redone(tmp_path, sharded):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")

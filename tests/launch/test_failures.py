@@ -71,7 +71,8 @@ def assert_checkpoint_of_epoch_1_intact(run):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun-mpi", "horovodrun-gloo"])
+@pytest.mark.parametrize("launcher", ["mpirun", pytest.param("horovodrun-mpi", marks=pytest.mark.extended),
+                                      "horovodrun-gloo"])
 def test_a_stopped_rank_ends_the_job_after_the_freeze_timeout_naming_it(tmp_path, launcher):
     # Before the watchdog: under MPI the job waited silently for ever; under Gloo it ended after 30 s blaming rank 0.
     proc, seconds = frozen(launcher, tmp_path, "stop")

@@ -116,9 +116,9 @@ def interrupted(proc, log, *signums):
     # With loader workers (--workers 2), which the launchers' signals reach too (the ranks' process groups, every
     # descendant of horovodrun): they must not die of it before the ranks have agreed on a step and saved.
     ("horovodrun-gloo", "group", signal.SIGINT, 2),   # Ctrl-C in a terminal: the whole foreground group
-    ("horovodrun-gloo", "launcher", signal.SIGTERM, 2),
+    pytest.param("horovodrun-gloo", "launcher", signal.SIGTERM, 2, marks=pytest.mark.extended),
     ("horovodrun-mpi", "launcher", signal.SIGINT, 0),  # kill -INT <horovodrun's pid>, as the README says
-    ("horovodrun-mpi", "launcher", signal.SIGTERM, 2),
+    pytest.param("horovodrun-mpi", "launcher", signal.SIGTERM, 2, marks=pytest.mark.extended),
     ("mpirun", "launcher", signal.SIGTERM, 2),
     ("single", "group", signal.SIGINT, 0),
 ])
@@ -192,7 +192,7 @@ def test_horovodrun_keeps_the_exit_status_of_a_rank_it_ends():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("launcher", ["single", "horovodrun-gloo"])
+@pytest.mark.parametrize("launcher", [pytest.param("single", marks=pytest.mark.extended), "horovodrun-gloo"])
 def test_sigterm_during_a_checkpoint_write_lets_it_finish(tmp_path, launcher):
     run, log, markers = tmp_path / "run", tmp_path / "log", tmp_path / "markers"
     markers.mkdir()

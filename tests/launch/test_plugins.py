@@ -242,6 +242,7 @@ def resume_matches_straight(launcher, folder, recipe, tmp_path, *args):
 
 
 @pytest.mark.distributed
+@pytest.mark.extended
 def test_the_segmentation_example_trains_its_two_losses_and_resumes_exactly(tmp_path):
     # 127 validation samples: 64 on one rank, 63 on the other.
     summary = resume_matches_straight("horovodrun-gloo", EXAMPLES / "shapes_segmentation", "shapes.yaml", tmp_path,

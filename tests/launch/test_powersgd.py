@@ -46,7 +46,7 @@ def test_a_run_killed_within_an_epoch_resumes_bitwise_and_on_three_ranks_restart
     assert last_checkpoint(tmp_path / "on-three")["optimizer"]["powersgd"]["world_size"] == 3
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun-mpi", "horovodrun-gloo"])
+@pytest.mark.parametrize("launcher", [pytest.param("horovodrun-mpi", marks=pytest.mark.extended), "horovodrun-gloo"])
 def test_trains_with_accumulation_clipping_and_a_bf16_wire_and_the_ranks_agree(tmp_path, launcher):
     # The ranks' weights are compared at the end: they differ (exit 1) unless every rank took the same average.
     proc = run_app(launcher, 2, "--output-dir", tmp_path, "--epochs", "2", "--powersgd-rank", "1",

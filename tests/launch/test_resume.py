@@ -16,23 +16,22 @@ from conftest import (QUIET, ROOT, TRAIN, WORKERS, assert_refused, epochs_in, jo
 
 
 @pytest.mark.distributed
-def test_resuming_is_bitwise_exact_from_an_epoch_s_end_and_from_within_an_epoch(tmp_path):
+def test_resuming_is_bitwise_exact_from_within_an_epoch_and_on_one_rank(tmp_path):
     # Warmup (half an epoch), then a step decay at epoch 2, momentum, dropout, stochastic depth and BatchNorm (timm's
     # resnet10t), whose running statistics each rank updates from its own samples until the epoch's end averages
     # them: every piece of state matters. So do the seeded draws of augmentation (RandAugment, erasing) in loader
     # workers, of mixup/CutMix, and the weight average (whose BatchNorm statistics are each rank's too).
-    # The resumed run stops twice: at the end of epoch 1, and killed (SIGKILL, every rank and its loader workers)
-    # right after the checkpoint of run step 30, the 8th of epoch 2's 22 (one every 10 steps); epoch 2 is the last,
-    # so the resumed run's last steps and its end-of-epoch averaging of the statistics both follow the kill.
+    # The resumed run is killed (SIGKILL, every rank and its loader workers) right after the checkpoint of run step
+    # 30, the 8th of epoch 2's 22 (one every 10 steps); epoch 2 is the last, so the resumed run's last steps and its
+    # end-of-epoch averaging of the statistics both follow the kill. (A resume from an epoch's end: test_honest_runs.)
     common = ["--lr-schedule", "step", "--optim.lr_milestones", "1", "--warmup-epochs", "0.5", "--model-ema",
               "--model-ema-warmup", "--mixup", "0.4", "--cutmix", "1.0", "--aa", "rand-m7-mstd0.5", "--reprob", "0.3",
               "--workers", "2", "--checkpoint.every_steps", "10", "--model", "timm/resnet10t", "--image-size", "16",
               "--model-args", "drop_rate=0.25", "--drop-path", "0.1", *QUIET]
     launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "straight", "--epochs", "2", *common)
-    launch("mpirun", 2, TRAIN, "--output-dir", tmp_path / "resumed", "--epochs", "1", *common)
     killed = launch("mpirun", 2, WORKERS / "killed_after_save.py", "30", "--", "--output-dir", tmp_path / "resumed",
-                    "--epochs", "2", "--resume", "auto", *common, check=False)
-    assert killed.returncode != 0 and "resuming after epoch 1" in killed.stdout
+                    "--epochs", "2", *common, check=False)
+    assert killed.returncode != 0
     within = last_checkpoint(tmp_path / "resumed")
     assert (within["epoch"], within["step"], within["partial"]["epoch"], within["partial"]["steps"]) == (1, 30, 2, 8)
     assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints"))[-1] == "step_00000030.pt"
@@ -56,7 +55,7 @@ def test_resuming_is_bitwise_exact_from_an_epoch_s_end_and_from_within_an_epoch(
     for key in ("train_loss", "train_count", "val_loss", "val_ema_loss"):
         assert [h[key] for h in summary["history"]] == \
             [h[key] for h in read_json(tmp_path / "straight" / "summary.json")["history"]], key
-    assert [(r["epoch"], r["step"]) for r in summary["resumes"]] == [(1, 22), (1, 30)]
+    assert [(r["epoch"], r["step"]) for r in summary["resumes"]] == [(1, 30)]
     assert summary["last_checkpoint"] == {"epoch": 2, "end_of_epoch": True}
     assert summary["checkpoints_within_epochs"]["count"] == 1  # step 40
 

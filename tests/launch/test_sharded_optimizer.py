@@ -68,6 +68,7 @@ def last(out):
     return weights_and_state(out / "checkpoints" / "last.pt")
 
 
+@pytest.mark.extended
 def test_sgd_with_clipping_sharded_ends_with_the_weights_and_state_of_an_unsharded_run(tmp_path):
     flags, tolerance = CASES["sgd-nesterov-clip"]
     run_app("horovodrun-gloo", 2, *RUN, *flags, "--output-dir", tmp_path / "whole")

@@ -93,7 +93,7 @@ def straggler_lines(stdout):
 @pytest.mark.parametrize("launcher,slowed,phase", [
     ("horovodrun-gloo", "data", "data"),
     ("horovodrun-mpi", "forward", "compute"),
-    ("mpirun", "data", "data"),
+    pytest.param("mpirun", "data", "data", marks=pytest.mark.extended),
 ])
 def test_a_rank_slowed_on_purpose_is_named_with_its_phase(tmp_path, launcher, slowed, phase):
     # rank 1: 8 samples x 20 ms in its loader, or 150 ms in its forward, every step; rank 0 takes a few ms.

@@ -59,6 +59,7 @@ def test_a_crashed_and_resumed_run_is_one_mlflow_run_with_one_value_per_epoch(tm
 
 
 @pytest.mark.distributed
+@pytest.mark.extended
 def test_a_server_killed_mid_run_leaves_training_finishing_with_one_warning(tmp_path, server):
     uri, pgid, db = server
     out = tmp_path / "run"

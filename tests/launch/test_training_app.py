@@ -171,7 +171,7 @@ def test_what_people_see_and_what_rank_0_writes(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", pytest.param("mpirun", marks=pytest.mark.extended)])
 def test_a_terminal_gets_a_progress_bar_under_the_launcher(tmp_path, launcher):
     # `script` runs the launcher on a pseudo-terminal, as a person's shell does; the ranks' own output is a pipe.
     args = [str(TRAIN), "--output-dir", str(tmp_path), "--epochs", "1"]

@@ -120,7 +120,8 @@ def run_export(model_dir, fmt, cwd):
     return proc.stdout
 
 
-@pytest.mark.parametrize("run", ["small_cnn", "resnet18", "plugin"])
+@pytest.mark.parametrize("run", ["small_cnn", pytest.param("resnet18", marks=pytest.mark.extended),
+                                 pytest.param("plugin", marks=pytest.mark.extended)])
 def test_every_format_matches_the_pytorch_model(runs, run):
     """Each export is written with its card and its parity check, and, loaded here with the format's own runtime
     (safetensors into the model rebuilt from the card, torch.jit.load, onnxruntime), gives the checkpoint's outputs."""
