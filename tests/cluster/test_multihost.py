@@ -41,7 +41,13 @@ def check_two_host_run(out, controller):
     assert summary["history"][-1]["val_count"] == 359
 
 
-@pytest.mark.parametrize("controller", ["--gloo", "--mpi"])
+# Each controller once with the hosts' own names and once where they resolve to loopback; the other two pairings
+# are extended.
+@pytest.mark.parametrize("two_hosts, controller", [
+    ("own", "--gloo"), ("loopback", "--mpi"),
+    pytest.param("own", "--mpi", marks=pytest.mark.extended),
+    pytest.param("loopback", "--gloo", marks=pytest.mark.extended),
+], indirect=["two_hosts"])
 def test_horovodrun_across_two_hosts(two_hosts, tmp_path, controller):
     hosts = ",".join(f"{h.name}:1" for h in two_hosts.hosts)
     run_ok(two_hosts, [BIN / "horovodrun", controller, "-np", "2", "-H", hosts, "--network-interface", IFACE,
