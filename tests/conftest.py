@@ -434,12 +434,43 @@ def shard(out, *args):
     return proc.stdout
 
 
-@pytest.fixture(scope="module")
+def built_once(tmp_path_factory, name, build):
+    """The folder `build(folder)` filled, once for the whole run: xdist gives each module to whichever worker is
+    free, so a module fixture was built again on every worker (and module) that met it. The first to ask builds
+    under a lock; the others wait and share it. Its users copy it before they change anything."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' basetemps sit side by side in this run's folder
+    folder = root / f"shared-{name}"
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
+@pytest.fixture(scope="session")
 def digits_shards(tmp_path_factory):
     """The digits (1,438 training and 359 validation samples) in shards of 300: 5 and 2, the last ones smaller."""
-    out = tmp_path_factory.mktemp("digits-shards")
-    shard(out, "--from", "digits", "--shard-size", "300")
-    return out
+    return built_once(tmp_path_factory, "digits-shards",
+                      lambda out: shard(out, "--from", "digits", "--shard-size", "300"))
+
+
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory):
+    """A real run directory, shared by the modules that hand its files over: the small CNN on the digits, one
+    epoch, one process, with its safetensors, TorchScript and ONNX exports (hvd-train export, whose parity check
+    runs its own TorchScript file without --trust-code)."""
+    def build(folder):
+        launch("single", 1, TRAIN, *QUIET, "--output-dir", folder / "run", "--epochs", "1")
+        for fmt in ("safetensors", "torchscript", "onnx"):
+            launch("single", 1, BIN / "hvd-train", "export", folder / "run", "--format", fmt)
+
+    return built_once(tmp_path_factory, "digits-run", build) / "run"
 
 
 def shard_flags(out, train="train-{000000..000004}.tar", val="val-{000000..000001}.tar"):

@@ -27,19 +27,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BIN, QUIET, TRAIN, AppResult, assert_refused, launch, shard_flags
+from conftest import QUIET, TRAIN, AppResult, assert_refused, shard_flags
 from test_handed_over_files import ALLOWANCE, MiB, an_image, one_error_line, peak_of_command, predict_command
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A real run directory (the small CNN on the digits, one epoch, one process) and its three exports, written by
-    hvd-train export (whose parity check runs its own TorchScript file without --trust-code)."""
-    run = tmp_path_factory.mktemp("bounded") / "run"
-    launch("single", 1, TRAIN, *QUIET, "--output-dir", run, "--epochs", "1")
-    for fmt in ("safetensors", "torchscript", "onnx"):
-        launch("single", 1, BIN / "hvd-train", "export", run, "--format", fmt)
-    return run
+def trained(digits_run):
+    """A real run directory and its three exports (conftest's digits_run)."""
+    return digits_run
 
 
 def export_of(trained, fmt):

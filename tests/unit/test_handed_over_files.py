@@ -32,11 +32,9 @@ ALLOWANCE = 256 * MiB
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A real run directory: the small CNN on the digits, one epoch, one process."""
-    out = tmp_path_factory.mktemp("trained") / "run"
-    launch("single", 1, TRAIN, *QUIET, "--output-dir", out, "--epochs", "1")
-    return out
+def trained(digits_run):
+    """A real run directory: the small CNN on the digits, one epoch, one process (conftest's digits_run)."""
+    return digits_run
 
 
 def handed_over(trained, tmp_path, change_config=None):
@@ -316,8 +314,7 @@ def evil_onnx(path, elements=1_500_000_000):
 
 @pytest.fixture(scope="module")
 def exported(trained):
-    """The trained run exported to ONNX (its model.onnx.json is the sidecar an attacker copies)."""
-    launch("single", 1, BIN / "hvd-train", "export", trained, "--format", "onnx")
+    """The trained run's ONNX export (its model.onnx.json is the sidecar an attacker copies)."""
     return trained / "export" / "model.onnx"
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import QUIET, ROOT, TRAIN, WORKERS, app_output, launch, read_json, run_app
+from conftest import QUIET, ROOT, WORKERS, app_output, launch, read_json, run_app
 from formats import write_image_folder
 
 from hvd_train.tools import export, predict
@@ -43,11 +43,9 @@ from hvd_train.files import write_json
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A real checkpoint: the small CNN on the digits, one epoch, one process."""
-    out = tmp_path_factory.mktemp("trained")
-    launch("single", 1, TRAIN, *QUIET, "--output-dir", out, "--epochs", "1")
-    return out / "checkpoints" / "last.pt"
+def trained(digits_run):
+    """A real checkpoint: the small CNN on the digits, one epoch, one process (conftest's digits_run)."""
+    return digits_run / "checkpoints" / "last.pt"
 
 
 def crafted(source, dest, change):
