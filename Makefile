@@ -47,8 +47,8 @@ test: setup lint $(TEST_TOOLS)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
 # Tests marked `extended` repeat a scenario make test already runs (under another launcher, with another model) or run
-# the bench's sections on their quick settings: about a fifth of the suite's CPU time, left out so that make test
-# fits CI's 45 minutes on a 2-core machine with a core kept busy. Run them before a release or after changing a
+# the bench's sections on their quick settings: about a fifth of the suite's CPU time, left out to bring make test
+# toward CI's 45-minute budget on a 2-core machine with a core kept busy (docs/testing.md). Run them before a release or after changing a
 # launcher's handling or the bench.
 test-extended: setup $(TEST_TOOLS)
 	$(PY) -m pytest -m extended -n $(TEST_WORKERS) --dist loadgroup --durations=10

@@ -114,6 +114,8 @@ def test_photos_stopped_by_sigterm_under_horovodrun_with_loader_workers_resume_b
         assert torch.equal(value, resumed["model"][name]), f"{name} differs after resuming"
     for key, state in straight["optimizer"]["state"].items():
         assert torch.equal(state["momentum_buffer"], resumed["optimizer"]["state"][key]["momentum_buffer"])
+    summaries = [read_json(folder / "summary.json")["history"] for folder in (tmp_path / "straight", run)]
+    assert [h["val_loss"] for h in summaries[0]] == [h["val_loss"] for h in summaries[1]]
 
 
 @pytest.mark.distributed
