@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import BIN, QUIET, ROOT, TRAIN, assert_refused, job_env, launch, read_json, shard, shard_flags
+from conftest import BIN, QUIET, ROOT, TRAIN, assert_refused, job_env, read_json, shard_flags
 import test_handed_over_files
 from test_handed_over_files import ALLOWANCE, an_image, peak_of_command
 
@@ -38,20 +38,15 @@ listener = test_handed_over_files.listener  # a TCP listener on loopback: yields
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A real run directory: the small CNN on the digits, one epoch, one process, and its safetensors export."""
-    out = tmp_path_factory.mktemp("gate") / "run"
-    launch("single", 1, TRAIN, *QUIET, "--output-dir", out, "--epochs", "1")
-    assert export.main([str(out), "--format", "safetensors"]) == 0
-    return out
+def run(digits_run):
+    """A real run directory: the small CNN on the digits, one epoch, one process, and its exports (conftest's)."""
+    return digits_run
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    """The digits as tar shards with their index (hvd-train shard)."""
-    out = tmp_path_factory.mktemp("gate-shards")
-    shard(out, "--from", "digits", "--shard-size", "400")
-    return out
+def shards(digits_shards):
+    """The digits as tar shards with their index (hvd-train shard; conftest's)."""
+    return digits_shards
 
 
 @pytest.fixture
@@ -271,6 +266,7 @@ def test_export_of_a_received_run_runs_no_command_that_data_args_put_in_place_of
     ckpt["config"]["data"].update(dataset="shards", train_shards="t.tar", val_shards="v.tar",
                                   args={"train_shards": command, "val_shards": command, "shard_index": command})
     torch.save(ckpt, checkpoint)
+    os.remove(given / "export" / "model.onnx")  # the shared run was exported: none may be written again
     proc = subprocess.run([BIN / "hvd-train", "export", given, "--format", "onnx"], cwd=ROOT, env=job_env(),
                           capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stderr.splitlines() if "hvd-train export: error:" in line]
