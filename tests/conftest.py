@@ -210,50 +210,73 @@ class AppResult:
     stderr: str
 
 
+def in_this_process(monkeypatch, capfd, argv, entry, env=None, cwd=None):
+    """AppResult of `entry()` (which exits) run with sys.argv `argv` inside this process, from `cwd`; whatever it
+    changes in the process (environment, working directory, signal handlers, logging, torch's threads, the module
+    search path and the plug-in modules it imported) is put back. Output is captured at the file descriptors."""
+    import torch
+
+    saved_env, threads, saved_cwd = dict(os.environ), torch.get_num_threads(), os.getcwd()
+    saved_path, saved_modules = list(sys.path), set(sys.modules)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    wakeup_fd = signal.set_wakeup_fd(-1)
+    root = logging.getLogger()
+    root_handlers, root_level = root.handlers[:], root.level
+    root.handlers.clear()  # so the app's logging.basicConfig writes to this test's captured stdout
+    os.environ.update(env or {})
+    monkeypatch.setattr(sys, "argv", list(map(str, argv)))
+    capfd.readouterr()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with pytest.raises(SystemExit) as exited:
+            entry()
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(threads)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(wakeup_fd)
+        root.handlers[:] = root_handlers
+        root.setLevel(root_level)
+        faulthandler.unregister(signal.SIGUSR2)
+        sys.path[:] = saved_path
+        for name in set(sys.modules) - saved_modules:  # a user's plug-in modules, which tests write afresh
+            where = getattr(sys.modules[name], "__file__", None)
+            if where and not where.startswith((sys.prefix, sys.base_prefix, str(ROOT))):
+                del sys.modules[name]
+    out = capfd.readouterr()
+    return AppResult(exited.value.code, out.out, out.err)
+
+
 @pytest.fixture
 def app(monkeypatch, capfd):
     """app(*args, env=None): train_hvd.cli() with QUIET and `args`, run inside this process as one rank; returns an
     AppResult. For tests of what one process does with its settings and files (refusals, the messages, the files it
     writes), which need no second rank: a real launch costs seconds of start-up, this costs none.
 
-    Horovod runs its Gloo controller (MPI cannot start again in a process once it has shut down, Gloo can), and
-    whatever the run changes in the process (environment, signal handlers, logging, torch's threads, the module
-    search path and the plug-in modules it imported) is put back.
-    Output is captured at the file descriptors, so Horovod's own lines are in it too."""
-    import torch
+    Horovod runs its Gloo controller (MPI cannot start again in a process once it has shut down, Gloo can)."""
     import train_hvd
 
     def run(*args, env=None):
-        saved_env, threads = dict(os.environ), torch.get_num_threads()
-        saved_path, saved_modules = list(sys.path), set(sys.modules)
-        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-        wakeup_fd = signal.set_wakeup_fd(-1)
-        root = logging.getLogger()
-        root_handlers, root_level = root.handlers[:], root.level
-        root.handlers.clear()  # so the app's logging.basicConfig writes to this test's captured stdout
-        os.environ.update({"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", **(env or {})})
-        monkeypatch.setattr(sys, "argv", ["train_hvd.py", *QUIET, *map(str, args)])
-        capfd.readouterr()
-        try:
-            with pytest.raises(SystemExit) as exited:
-                train_hvd.cli()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved_env)
-            torch.set_num_threads(threads)
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
-            signal.set_wakeup_fd(wakeup_fd)
-            root.handlers[:] = root_handlers
-            root.setLevel(root_level)
-            faulthandler.unregister(signal.SIGUSR2)
-            sys.path[:] = saved_path
-            for name in set(sys.modules) - saved_modules:  # a user's plug-in modules, which tests write afresh
-                where = getattr(sys.modules[name], "__file__", None)
-                if where and not where.startswith((sys.prefix, sys.base_prefix, str(ROOT))):
-                    del sys.modules[name]
-        out = capfd.readouterr()
-        return AppResult(exited.value.code, out.out, out.err)
+        env = {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", **(env or {})}
+        return in_this_process(monkeypatch, capfd, ["train_hvd.py", *QUIET, *args], train_hvd.cli, env)
+
+    return run
+
+
+@pytest.fixture
+def tool(monkeypatch, capfd):
+    """tool(subcommand, *args, cwd=None): `hvd-train SUBCOMMAND ARGS` (hvd_train.app.cli, the console script's
+    entry) inside this process, from `cwd`; returns an AppResult. For tests of what export, predict and the other
+    subcommands print and write, where a process of their own (seconds of imports) measures nothing: tests of a
+    peak of memory, or of what a process may import, still start one."""
+    from hvd_train.app import cli
+
+    def run(*args, cwd=None, env=None):
+        return in_this_process(monkeypatch, capfd, ["hvd-train", *args], cli, env, cwd)
 
     return run
 

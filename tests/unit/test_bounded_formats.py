@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from conftest import QUIET, TRAIN, AppResult, assert_refused, shard_flags
-from test_handed_over_files import ALLOWANCE, MiB, an_image, one_error_line, peak_of_command, predict_command
+from test_handed_over_files import ALLOWANCE, MiB, an_image, one_error_line, peak_of_command, predict_command, predicted
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ class WritesAFile(torch.nn.Module):
         return torch.zeros(images.shape[0], 10) + mapped[0].float() * 0
 
 
-def test_a_torchscript_export_runs_only_with_trust_code(tmp_path, trained):
+def test_a_torchscript_export_runs_only_with_trust_code(tmp_path, trained, tool):
     marker = tmp_path / "PWNED"
     buffer = io.BytesIO()
     with warnings.catch_warnings():
@@ -82,18 +82,18 @@ def test_a_torchscript_export_runs_only_with_trust_code(tmp_path, trained):
         torch.jit.save(torch.jit.script(WritesAFile(str(marker))), buffer)
     evil = handed_over(trained, tmp_path, "torchscript", buffer.getvalue())
     image = an_image(tmp_path / "x.png")
-    code, output, _ = peak_of_command(predict_command(evil, image), tmp_path)
+    code, output = predicted(tool, evil, image)
     line = one_error_line(output)
     assert code == 2 and "TorchScript" in line and "a program" in line and "--trust-code" in line, output
     assert "onnx or safetensors" in line and not marker.exists()
     # The honest export is refused the same way, and runs with --trust-code.
     honest = export_of(trained, "torchscript")
-    code, output, _ = peak_of_command(predict_command(honest, image), tmp_path)
+    code, output = predicted(tool, honest, image)
     assert code == 2 and "--trust-code" in one_error_line(output), output
-    code, output, _ = peak_of_command(predict_command(honest, image, "--trust-code"), tmp_path)
+    code, output = predicted(tool, honest, image, "--trust-code")
     assert code == 0 and "top-1" in output and "error" not in output, output
     # What --trust-code means: the attacker's file, trusted, writes where it says.
-    code, output, _ = peak_of_command(predict_command(evil, image, "--trust-code"), tmp_path)
+    code, output = predicted(tool, evil, image, "--trust-code")
     assert code == 0 and marker.read_bytes() == b"PWNED!\n", output
 
 
@@ -271,15 +271,15 @@ def test_an_onnx_graph_that_makes_strings_is_refused_before_a_session(tmp_path, 
     assert peak < benign + ALLOWANCE, (peak, benign)
 
 
-def test_an_onnx_export_still_runs_under_the_string_check(tmp_path, trained):
+def test_an_onnx_export_still_runs_under_the_string_check(tmp_path, trained, tool):
     # The digits' graph with no strings, written as the attacker's is: refused only for what it makes.
     from onnx import helper, numpy_helper
 
     honest = handed_over(trained, tmp_path, "onnx", b"")
     zero = numpy_helper.from_array(np.zeros(1, np.float32), "zero")
     digits_onnx(honest, [helper.make_node("Identity", ["zero"], ["z"])], "z", [zero])
-    code, output, _ = peak_of_command(predict_command(honest, an_image(tmp_path / "x.png"), "--json"), tmp_path)
-    assert code == 0 and json.loads(output)[0]["top"], output
+    result = tool("predict", honest, an_image(tmp_path / "x.png"), "--json")
+    assert result.returncode == 0 and json.loads(result.stdout)[0]["top"], result.stdout + result.stderr
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -300,9 +300,9 @@ SAFETENSORS_CASES = ["header past the file", "header far past the file", "header
 
 
 @pytest.mark.parametrize("how", SAFETENSORS_CASES)
-def test_a_forged_safetensors_export_is_one_line_in_predict(tmp_path, trained, how):
+def test_a_forged_safetensors_export_is_one_line_in_predict(tmp_path, trained, tool, how):
     evil = handed_over(trained, tmp_path, "safetensors", forged_safetensors(export_of(trained, "safetensors"), how))
-    code, output, _ = peak_of_command(predict_command(evil, an_image(tmp_path / "x.png")), tmp_path)
+    code, output = predicted(tool, evil, an_image(tmp_path / "x.png"))
     line = one_error_line(output)
     assert code == 2 and (f"{evil}: not a whole safetensors file: " in line or
                           f"{evil}: cannot be read as safetensors" in line), output
@@ -318,12 +318,12 @@ def test_a_forged_safetensors_file_is_one_line_in_init_from(tmp_path, trained, a
 
 
 @pytest.mark.parametrize("depth", [100, 100_000])
-def test_an_exports_json_nested_deep_is_one_line(tmp_path, trained, depth):
+def test_an_exports_json_nested_deep_is_one_line(tmp_path, trained, tool, depth):
     evil = handed_over(trained, tmp_path, "safetensors")
     sidecar = Path(str(evil) + ".json")
     sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "notes": "@"}).replace(
         '"@"', "[" * depth + "]" * depth))
-    code, output, _ = peak_of_command(predict_command(evil, an_image(tmp_path / "x.png")), tmp_path)
+    code, output = predicted(tool, evil, an_image(tmp_path / "x.png"))
     line = one_error_line(output)
     assert code == 2 and f"{evil}.json: its values nest more than 64 levels deep" in line, output
 

@@ -49,11 +49,6 @@ FORMATS = ("safetensors", "torchscript", "onnx")
 pytestmark = pytest.mark.xdist_group("export")
 
 
-def hvd_train(*args, cwd=ROOT):
-    return subprocess.run([str(BIN / "hvd-train"), *map(str, args)], cwd=cwd, env=job_env(), capture_output=True,
-                          text=True, timeout=600)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Trained runs: small_cnn on 2 ranks and resnet18 on photos in class folders, the plug-in on the digits."""
@@ -101,18 +96,19 @@ def validation_images(root, run, count=8):
     return paths, Feed(torch.device("cpu"), MEAN, STD)((pixels, torch.zeros(len(paths))))[0]
 
 
-def exported(run_dir, fmt, cwd):
+def exported(tool, run_dir, fmt):
     """run_dir's export in `fmt`, written now where an earlier test has not."""
     path = run_dir / "export" / f"model{'.torchscript.pt' if fmt == 'torchscript' else '.' + fmt}"
     if not path.exists():
-        run_export(run_dir, fmt, cwd)
+        run_export(tool, run_dir, fmt)
     return path
 
 
-def run_export(model_dir, fmt, cwd):
-    # A user's own model (the plug-in runs) is named by an import path in the checkpoint: the user trusts it.
+def run_export(tool, model_dir, fmt):
+    # A user's own model (the plug-in runs) is named by an import path in the checkpoint: the user trusts it, and
+    # exports from the folder that holds it.
     trust = ("--trust-code",) if model_dir.name in ("plugin", "spectral") else ()
-    proc = hvd_train("export", model_dir, "--format", fmt, *trust, cwd=cwd)
+    proc = tool("export", model_dir, "--format", fmt, *trust, cwd=model_dir.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     check = re.search(rf"parity on (\d+) validation samples .*: max \|{fmt} - pytorch\| = (\S+), tolerance",
                       proc.stdout)
@@ -122,7 +118,7 @@ def run_export(model_dir, fmt, cwd):
 
 @pytest.mark.parametrize("run", ["small_cnn", pytest.param("resnet18", marks=pytest.mark.extended),
                                  pytest.param("plugin", marks=pytest.mark.extended)])
-def test_every_format_matches_the_pytorch_model(runs, run):
+def test_every_format_matches_the_pytorch_model(tool, runs, run):
     """Each export is written with its card and its parity check, and, loaded here with the format's own runtime
     (safetensors into the model rebuilt from the card, torch.jit.load, onnxruntime), gives the checkpoint's outputs."""
     model, card = checkpoint_model(runs / run)
@@ -131,7 +127,7 @@ def test_every_format_matches_the_pytorch_model(runs, run):
     with torch.no_grad():
         expected = model(images)
     for fmt in FORMATS:
-        out = exported(runs / run, fmt, cwd=runs)
+        out = exported(tool, runs / run, fmt)
         meta = json.loads(out.with_name(out.name + ".json").read_text())
         assert meta["format"] == fmt and meta["model"] == card["model"] and meta["facts"] == card["facts"]
         assert meta["parity"]["samples"] >= 2 and meta["parity"]["max_abs_diff"] < 1e-2
@@ -152,18 +148,18 @@ def test_every_format_matches_the_pytorch_model(runs, run):
             assert torch.allclose(got, expected, atol=1e-4, rtol=1e-3)
 
 
-def test_the_export_s_files_have_the_mode_of_the_run_s_other_files(runs):
+def test_the_export_s_files_have_the_mode_of_the_run_s_other_files(tool, runs):
     # The run's files are 0640 (keep_private); safetensors wrote its own file 0600.
     mode = (runs / "small_cnn" / "config.json").stat().st_mode & 0o777
     assert mode == 0o640 and (runs / "small_cnn" / "checkpoints" / "last.pt").stat().st_mode & 0o777 == mode
     for fmt in FORMATS:
-        out = exported(runs / "small_cnn", fmt, cwd=runs)
+        out = exported(tool, runs / "small_cnn", fmt)
         assert {fmt: [oct(p.stat().st_mode & 0o777) for p in (out, out.with_name(out.name + ".json"))]} == \
             {fmt: [oct(mode)] * 2}
 
 
-def test_an_operator_onnx_lacks_is_named_with_its_layer(runs):
-    proc = hvd_train("export", runs / "spectral", "--format", "onnx", "--trust-code", cwd=runs)
+def test_an_operator_onnx_lacks_is_named_with_its_layer(tool, runs):
+    proc = tool("export", runs / "spectral", "--format", "onnx", "--trust-code", cwd=runs)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(lines) == 1 and "layer 'spectrum' (Spectrum)" in lines[0] and "aten._linalg_eigh" in lines[0], \
@@ -171,29 +167,29 @@ def test_an_operator_onnx_lacks_is_named_with_its_layer(runs):
     assert "Traceback" not in proc.stderr
     assert not (runs / "spectral" / "export").exists() or not any((runs / "spectral" / "export").iterdir())
     # The same model exports to the formats that can hold it.
-    run_export(runs / "spectral", "torchscript", cwd=runs)
+    run_export(tool, runs / "spectral", "torchscript")
 
 
-def test_export_refuses_to_overwrite_and_names_a_missing_run(runs, tmp_path):
-    before = exported(runs / "small_cnn", "safetensors", cwd=runs).read_bytes()
-    proc = hvd_train("export", runs / "small_cnn", "--format", "safetensors")
+def test_export_refuses_to_overwrite_and_names_a_missing_run(tool, runs, tmp_path):
+    before = exported(tool, runs / "small_cnn", "safetensors").read_bytes()
+    proc = tool("export", runs / "small_cnn", "--format", "safetensors")
     assert proc.returncode == 2 and "exists; pass --overwrite" in proc.stderr, proc.stderr
     assert (runs / "small_cnn" / "export" / "model.safetensors").read_bytes() == before
-    proc = hvd_train("export", tmp_path / "nothing", "--format", "onnx")
+    proc = tool("export", tmp_path / "nothing", "--format", "onnx")
     assert proc.returncode == 2 and "no such file or directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("source", ["checkpoint", "onnx", "torchscript"])
-def test_predict_gives_what_validation_gives(runs, source):
+def test_predict_gives_what_validation_gives(tool, runs, source):
     """predict on image files equals the checkpoint's model on the same photos through the validation transform,
     with the class names of the folders."""
-    target = runs / "small_cnn" if source == "checkpoint" else exported(runs / "small_cnn", source, cwd=runs)
+    target = runs / "small_cnn" if source == "checkpoint" else exported(tool, runs / "small_cnn", source)
     paths, images = validation_images(runs, "small_cnn")
     model, _ = checkpoint_model(runs / "small_cnn")
     with torch.no_grad():
         probs = torch.softmax(model(images), dim=1)
     trust = ["--trust-code"] if source == "torchscript" else []  # a TorchScript export is a program
-    proc = hvd_train("predict", target, *paths, "--json", "--top-k", "2", *trust)
+    proc = tool("predict", target, *paths, "--json", "--top-k", "2", *trust)
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout)
     assert [r["image"] for r in results] == [str(p) for p in paths]
@@ -203,20 +199,20 @@ def test_predict_gives_what_validation_gives(runs, source):
         assert abs(r["top"][0]["probability"] - float(p.max())) < 1e-4
 
 
-def test_predict_reads_folders_and_prints_a_table(runs):
-    proc = hvd_train("predict", runs / "resnet18", runs / "photos" / "owl", "--top-k", "3")
+def test_predict_reads_folders_and_prints_a_table(tool, runs):
+    proc = tool("predict", runs / "resnet18", runs / "photos" / "owl", "--top-k", "3")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0].split() == ["image", "top-1", "top-2", "top-3"]
     assert len(lines) == 1 + 8 and all(re.search(r"owl/\d\.png( +\w+ \d+\.\d%){3}$", line) for line in lines[1:])
 
 
-def test_predict_refuses_what_is_not_an_image(runs, tmp_path):
+def test_predict_refuses_what_is_not_an_image(tool, runs, tmp_path):
     (tmp_path / "notes.txt").write_text("not a picture")
     for arg, needle in ((tmp_path / "notes.txt", "notes.txt: cannot read this image"),
                         (tmp_path / "missing.png", "missing.png: no such file or folder"),
                         (tmp_path, "a folder with no image files")):
-        proc = hvd_train("predict", runs / "small_cnn", arg)
+        proc = tool("predict", runs / "small_cnn", arg)
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
@@ -233,7 +229,7 @@ def test_the_docs_load_a_checkpoint_for_inference(runs):
     assert re.search(r"^CLASS (cat|dog|owl)$", proc.stdout, re.MULTILINE), proc.stdout
 
 
-def test_a_checkpoint_from_before_model_cards_is_still_understood(runs, tmp_path):
+def test_a_checkpoint_from_before_model_cards_is_still_understood(tool, runs, tmp_path):
     """A checkpoint written before checkpoints carried their model card: the model and its preprocessing follow from
     its config (the data set that ships), so predict gives the same probabilities (classes shown as numbers)."""
     ckpt = torch.load(runs / "small_cnn" / "checkpoints" / "best.pt", weights_only=True)
@@ -241,7 +237,7 @@ def test_a_checkpoint_from_before_model_cards_is_still_understood(runs, tmp_path
     (tmp_path / "checkpoints").mkdir()
     torch.save(ckpt, tmp_path / "checkpoints" / "best.pt")
     image = runs / "photos" / "owl" / "1.png"
-    new, old = (json.loads(hvd_train("predict", where, image, "--json").stdout)[0]["top"]
+    new, old = (json.loads(tool("predict", where, image, "--json").stdout)[0]["top"]
                 for where in (runs / "small_cnn", tmp_path))
     assert [t["index"] for t in new] == [t["index"] for t in old]
     assert [t["probability"] for t in new] == pytest.approx([t["probability"] for t in old])

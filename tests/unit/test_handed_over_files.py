@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import BIN, QUIET, ROOT, TRAIN, assert_refused, job_env, launch, read_json
+from conftest import BIN, QUIET, ROOT, TRAIN, assert_refused, job_env, launch, read_json, shard_flags
 
 MiB = 2**20
 # What an attack may add to the peak memory of the same command on a benign file of the same kind.
@@ -77,6 +77,13 @@ def peak_of_command(cmd, tmp_path, env=None):
 
 def predict_command(*args):
     return [BIN / "hvd-train", "predict", *args]
+
+
+def predicted(tool, *args, env=None):
+    """(exit code, output) of `hvd-train predict ARGS` run in this process (the tool fixture): for the tests that
+    read what predict says, not the memory it took."""
+    result = tool("predict", *args, env=env)
+    return result.returncode, result.stdout + result.stderr
 
 
 def one_error_line(output, program="hvd-train predict"):
@@ -480,13 +487,14 @@ def png_header(path, width, height, bit_depth=16):
     return str(path)
 
 
-def test_an_image_past_the_pixel_bound_is_refused_from_its_header_and_the_bound_can_be_raised(tmp_path, trained):
+def test_an_image_past_the_pixel_bound_is_refused_from_its_header_and_the_bound_can_be_raised(
+        tmp_path, trained, tool):
     big = png_header(tmp_path / "big.png", 13370, 13370)
-    code, output, _ = peak_of_command(predict_command(trained, big), tmp_path)
+    code, output = predicted(tool, trained, big)
     line = one_error_line(output)
     assert code == 2 and "13370 x 13370 pixels" in line and "HVD_MAX_IMAGE_PIXELS" in line, output
     small = an_image(tmp_path / "small.png", size=64)
-    code, output, _ = peak_of_command(predict_command(trained, small), tmp_path, env={"HVD_MAX_IMAGE_PIXELS": "1000"})
+    code, output = predicted(tool, trained, small, env={"HVD_MAX_IMAGE_PIXELS": "1000"})
     assert code == 2 and "64 x 64 pixels, more than the 1,000" in one_error_line(output), output
 
 
@@ -531,16 +539,13 @@ def test_a_shard_index_nested_deep_is_one_line(tmp_path, app):
     assert_refused(result, "shard index", "nest")
 
 
-def test_export_works_for_a_run_trained_on_shards(tmp_path):
-    shards = tmp_path / "shards"
-    launch("single", 1, BIN / "hvd-train", "shard", "--from", "digits", "--out", shards, "--shard-size", "500")
-    index = read_json(shards / "index.json")["shards"]
-    train = sorted(n for n in index if n.startswith("train-"))
-    launch("single", 1, TRAIN, *QUIET, "--dataset", "shards", "--output-dir", tmp_path / "run", "--epochs", "1",
-           "--data.train_shards", f"{shards}/train-{{000000..{len(train) - 1:06d}}}.tar",
-           "--data.val_shards", f"{shards}/val-000000.tar")
-    proc = launch("single", 1, BIN / "hvd-train", "export", tmp_path / "run", "--format", "onnx")
-    assert "parity on 16 validation samples of shards" in proc.stdout and "top-1 agrees" in proc.stdout, proc.stdout
+def test_export_works_for_a_run_trained_on_shards(tmp_path, app, tool, digits_shards):
+    result = app(*shard_flags(digits_shards), "--output-dir", tmp_path / "run", "--epochs", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = tool("export", tmp_path / "run", "--format", "onnx")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "parity on 16 validation samples of shards" in result.stdout and "top-1 agrees" in result.stdout, \
+        result.stdout
     assert Path(tmp_path / "run" / "export" / "model.onnx").is_file()
 
 

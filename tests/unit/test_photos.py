@@ -3,13 +3,11 @@ workers' crop and the device's batch crop agree for the same draws, validation n
 the crop it would cover at full size, and shards written with --max-side hold bounded images."""
 import io
 import json
-import subprocess
 
 import pytest
 import torch
 from PIL import Image
 
-from conftest import BIN, ROOT
 from formats import DRAFT_MEAN_LEVELS, MEAN_LEVELS, P99_LEVELS, both_ways, photo
 from hvd_train.data import LoaderSpec, build_loaders
 from hvd_train.data.augment import seed_all
@@ -102,12 +100,12 @@ def loader_batches(dc, decode_where, workers=1, steps=3):
 
 
 @pytest.mark.parametrize("source", ["folder", "shards"])
-def test_loaders_hand_uint8_or_encoded_photos_and_the_feed_makes_the_same_batches_of_both(folder, tmp_path, source):
+def test_loaders_hand_uint8_or_encoded_photos_and_the_feed_makes_the_same_batches_of_both(
+        folder, tmp_path, tool, source):
     dc = DataConfig(dataset="imagefolder", data_dir=str(folder), image_size=32, val_fraction=0.25)
     if source == "shards":
-        proc = subprocess.run([str(BIN / "hvd-train"), "shard", "--from", "imagefolder", "--data-dir", str(folder),
-                               "--out", str(tmp_path / "s"), "--shard-size", "5", "--val-fraction", "0.25"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        proc = tool("shard", "--from", "imagefolder", "--data-dir", folder, "--out", tmp_path / "s", "--shard-size",
+                    "5", "--val-fraction", "0.25")
         assert proc.returncode == 0, proc.stderr
         dc = DataConfig(dataset="shards", image_size=32, train_shards=f"{tmp_path}/s/train-{{000000..000001}}.tar",
                         val_shards=f"{tmp_path}/s/val-{{000000..000000}}.tar")
@@ -207,11 +205,10 @@ def test_encoded_photos_are_prepared_on_a_thread_in_order_erased_by_step_and_its
     assert len(taken) <= AHEAD + 1, taken
 
 
-def test_shards_with_max_side_hold_bounded_photos_and_record_it(folder, tmp_path):
+def test_shards_with_max_side_hold_bounded_photos_and_record_it(folder, tmp_path, tool):
     out = tmp_path / "shards"
-    proc = subprocess.run([str(BIN / "hvd-train"), "shard", "--from", "imagefolder", "--data-dir",
-                           str(folder), "--out", str(out), "--shard-size", "8", "--max-side", "400"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = tool("shard", "--from", "imagefolder", "--data-dir", folder, "--out", out, "--shard-size", "8",
+                "--max-side", "400")
     assert proc.returncode == 0, proc.stderr
     index = json.loads((out / "index.json").read_text())
     assert index["facts"]["max_side"] == 400
@@ -231,10 +228,8 @@ def test_shards_with_max_side_hold_bounded_photos_and_record_it(folder, tmp_path
     assert untouched == 1  # the PNG of 400 x 300 went as it was; every larger photo was resized
 
 
-def test_max_side_out_of_range_is_refused(folder, tmp_path):
-    proc = subprocess.run([str(BIN / "hvd-train"), "shard", "--from", "imagefolder", "--data-dir",
-                           str(folder), "--out", str(tmp_path / "s"), "--max-side", "-1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_max_side_out_of_range_is_refused(folder, tmp_path, tool):
+    proc = tool("shard", "--from", "imagefolder", "--data-dir", folder, "--out", tmp_path / "s", "--max-side", "-1")
     assert proc.returncode == 2 and "--max-side -1" in proc.stderr and not (tmp_path / "s").exists()
 
 

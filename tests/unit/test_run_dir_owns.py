@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import BIN, ROOT, assert_refused, epochs_in, job_env
+from conftest import assert_refused, epochs_in, job_env
 import test_handed_over_files
 from test_handed_over_files import CREDENTIALS, handed_over, one_error_line
 
@@ -183,14 +183,13 @@ def test_a_planted_link_is_refused_and_nothing_is_written_where_it_points(tmp_pa
     assert (run / name).is_symlink() and epochs_in(run) == [1]
 
 
-def test_export_never_writes_into_a_planted_export_link(tmp_path, trained):
+def test_export_never_writes_into_a_planted_export_link(tmp_path, trained, tool):
     run = handed_over(trained, tmp_path)
     shutil.rmtree(run / "export", ignore_errors=True)  # the shared run was exported: the link takes its place
     target = tmp_path / "theirs"
     target.mkdir()
     os.symlink(target, run / "export")
-    proc = subprocess.run([str(BIN / "hvd-train"), "export", str(run), "--format", "safetensors"], cwd=ROOT,
-                          env=job_env(), capture_output=True, text=True, timeout=600)
+    proc = tool("export", run, "--format", "safetensors")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"{run / 'export'}: a symbolic link" in one_error_line(proc.stderr, "hvd-train export")
     assert list(target.iterdir()) == []
