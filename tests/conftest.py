@@ -496,6 +496,20 @@ def digits_run(tmp_path_factory):
     return built_once(tmp_path_factory, "digits-run", build) / "run"
 
 
+@pytest.fixture(scope="session")
+def grad_steps(tmp_path_factory):
+    """(two ranks' folder, one rank's folder) of tests/workers/grad_step.py's steps, shared by the tests that compare
+    an option's step with the plain one: 2 ranks of batch 16 under horovodrun --gloo (plain, accumulate-2,
+    fp16-allreduce, predivide-2, channels-last) and 1 rank of batch 32 (plain, channels-last), one job each."""
+    def build(folder):
+        launch("horovodrun-gloo", 2, WORKERS / "grad_step.py", folder / "2-ranks", 16, "--variants",
+               "plain,accumulate-2,fp16-allreduce,predivide-2,channels-last")
+        launch("single", 1, WORKERS / "grad_step.py", folder / "1-rank", 32, "--variants", "plain,channels-last")
+
+    root = built_once(tmp_path_factory, "grad-steps", build)
+    return root / "2-ranks", root / "1-rank"
+
+
 def shard_flags(out, train="train-{000000..000004}.tar", val="val-{000000..000001}.tar"):
     """The settings that train on the shards `digits_shards` wrote."""
     return ["--dataset", "shards", "--data.train_shards", f"{out}/{train}", "--data.val_shards", f"{out}/{val}"]

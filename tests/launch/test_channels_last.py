@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, assert_refused, job_env, launch, read_json, run_app
+from conftest import ROOT, assert_refused, job_env, read_json, run_app
 
 
 def _conv_weights(state_dict):
@@ -82,11 +82,8 @@ def test_two_ranks_train_and_resume_channels_last_and_end_identical(tmp_path):
 
 
 @pytest.mark.distributed
-def test_a_channels_last_step_on_2_ranks_equals_1_rank_with_double_batch(tmp_path, worker):
-    batch = 16
-    launch("horovodrun-gloo", 2, worker("grad_step.py"), tmp_path / "np2.pt", batch, "--channels-last")
-    launch("single", 1, worker("grad_step.py"), tmp_path / "np1.pt", 2 * batch, "--channels-last")
-    two_ranks, one_rank = torch.load(tmp_path / "np2.pt"), torch.load(tmp_path / "np1.pt")
+def test_a_channels_last_step_on_2_ranks_equals_1_rank_with_double_batch(grad_steps):
+    two_ranks, one_rank = (torch.load(folder / "channels-last.pt") for folder in grad_steps)
     assert _conv_weights(two_ranks)["features.2.weight"].is_contiguous(memory_format=torch.channels_last)
     for name, value in one_rank.items():
         torch.testing.assert_close(two_ranks[name], value, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")

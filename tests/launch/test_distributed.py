@@ -9,11 +9,13 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", pytest.param("mpirun", marks=pytest.mark.extended)])
-def test_one_step_on_2_ranks_equals_1_rank_with_double_batch(tmp_path, worker, launcher):
-    batch = 16
-    launch(launcher, 2, worker("grad_step.py"), tmp_path / "np2.pt", batch)
-    launch("single", 1, worker("grad_step.py"), tmp_path / "np1.pt", 2 * batch)
-    two_ranks, one_rank = torch.load(tmp_path / "np2.pt"), torch.load(tmp_path / "np1.pt")
+def test_one_step_on_2_ranks_equals_1_rank_with_double_batch(tmp_path, worker, launcher, grad_steps):
+    if launcher == "horovodrun-gloo":
+        two_ranks = torch.load(grad_steps[0] / "plain.pt")
+    else:
+        launch(launcher, 2, worker("grad_step.py"), tmp_path / "np2.pt", 16)
+        two_ranks = torch.load(tmp_path / "np2.pt")
+    one_rank = torch.load(grad_steps[1] / "plain.pt")  # batch 32
     initial = _initial_params()
     assert any(not torch.equal(value, initial[name]) for name, value in one_rank.items()), "the step did nothing"
     for name, value in one_rank.items():

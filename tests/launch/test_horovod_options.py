@@ -28,18 +28,16 @@ def initial_and_grads(batch, ranks):
     return initial, grads
 
 
-def test_accumulating_two_half_batches_equals_one_full_batch(tmp_path, worker):
-    launch("horovodrun-gloo", 2, worker("grad_step.py"), tmp_path / "acc.pt", 16, "--accumulate", "2")
-    launch("horovodrun-gloo", 2, worker("grad_step.py"), tmp_path / "one.pt", 16)
-    accumulated, single = torch.load(tmp_path / "acc.pt"), torch.load(tmp_path / "one.pt")
+def test_accumulating_two_half_batches_equals_one_full_batch(grad_steps):
+    two_ranks, _ = grad_steps
+    accumulated, single = torch.load(two_ranks / "accumulate-2.pt"), torch.load(two_ranks / "plain.pt")
     for name in single:
         torch.testing.assert_close(accumulated[name], single[name], rtol=0, atol=1e-6)
 
 
-def test_fp16_allreduce_compresses_the_gradients(tmp_path, worker):
-    launch("horovodrun-gloo", 2, worker("grad_step.py"), tmp_path / "fp16.pt", 16, "--fp16-allreduce")
-    launch("horovodrun-gloo", 2, worker("grad_step.py"), tmp_path / "fp32.pt", 16)
-    fp16, fp32 = torch.load(tmp_path / "fp16.pt"), torch.load(tmp_path / "fp32.pt")
+def test_fp16_allreduce_compresses_the_gradients(grad_steps):
+    two_ranks, _ = grad_steps
+    fp16, fp32 = torch.load(two_ranks / "fp16-allreduce.pt"), torch.load(two_ranks / "plain.pt")
     difference = max((fp16[n] - fp32[n]).abs().max().item() for n in fp32)
     assert 0 < difference < 1e-3, "fp16 compression should round the gradients, and only a little"
 
@@ -64,9 +62,8 @@ def test_adasum_combines_the_two_gradients_by_the_adasum_rule(tmp_path, worker):
         torch.testing.assert_close(result[name].double(), expected, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_gradient_predivide_factor_keeps_the_average(tmp_path, worker):
-    launch("horovodrun-gloo", 2, worker("grad_step.py"), tmp_path / "pre.pt", 16, "--predivide", "2")
-    result = torch.load(tmp_path / "pre.pt")
+def test_gradient_predivide_factor_keeps_the_average(grad_steps):
+    result = torch.load(grad_steps[0] / "predivide-2.pt")
     initial, (g0, g1) = initial_and_grads(16, 2)
     for name in g0:
         torch.testing.assert_close(result[name], initial[name] - 0.5 * (g0[name] + g1[name]) / 2, rtol=0,
