@@ -70,25 +70,30 @@ def test_stop_at_ends_training_at_the_first_epoch_that_reaches_the_target(tmp_pa
     assert all(r["wall_seconds"] > 0 for r in s["history"])
 
 
-def test_tuning_defaults_follow_the_device_and_the_launcher_wins():
-    code = ("import json, os, hvd_utils.runtime as r; print(json.dumps([r.tuning_env('cpu', kind='mpi'), "
-            "r.tuning_env('cpu', 4, 2.5, kind='gloo'), os.environ['OMPI_MCA_mpi_yield_when_idle']]))")
-    env = job_env()
+@pytest.fixture
+def environment():
+    """os.environ, put back as it was after the test: hvd_utils.runtime sets Horovod's variables in it."""
+    saved = dict(os.environ)
+    yield os.environ
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_tuning_defaults_follow_the_device_and_the_launcher_wins(environment):
+    from hvd_utils import runtime
+
     for key in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "OMPI_MCA_mpi_yield_when_idle"):
-        env.pop(key, None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    first, second, yield_when_idle = json.loads(out.stdout)
-    assert yield_when_idle == "1"  # OpenMPI yields the core while it waits
+        environment.pop(key, None)
+    first, second = runtime.tuning_env("cpu", kind="mpi"), runtime.tuning_env("cpu", 4, 2.5, kind="gloo")
+    assert environment["OMPI_MCA_mpi_yield_when_idle"] == "1"  # OpenMPI yields the core while it waits
     assert first == {"fusion_threshold_mb": 8.0, "cycle_time_ms": 1.0}
     assert second == first  # set once (as horovodrun would): later defaults do not override it
     for kind, cycle in (("gloo", 10.0), ("alone", 100.0)):
-        code = f"import json, hvd_utils.runtime as r; print(json.dumps(r.tuning_env('cpu', kind='{kind}')))"
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert json.loads(out.stdout) == {"fusion_threshold_mb": 8.0, "cycle_time_ms": cycle}, kind
-    env.update(HOROVOD_FUSION_THRESHOLD=str(64 << 20), HOROVOD_CYCLE_TIME="3")
-    code = "import json, hvd_utils.runtime as r; print(json.dumps(r.tuning_env('cuda', -1, 0, 'mpi')))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout) == {"fusion_threshold_mb": 64.0, "cycle_time_ms": 3.0}
+        for key in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"):
+            environment.pop(key)
+        assert runtime.tuning_env("cpu", kind=kind) == {"fusion_threshold_mb": 8.0, "cycle_time_ms": cycle}, kind
+    environment.update(HOROVOD_FUSION_THRESHOLD=str(64 << 20), HOROVOD_CYCLE_TIME="3")
+    assert runtime.tuning_env("cuda", -1, 0, "mpi") == {"fusion_threshold_mb": 64.0, "cycle_time_ms": 3.0}
 
 
 @pytest.mark.parametrize("launch, kind", [
@@ -99,12 +104,13 @@ def test_tuning_defaults_follow_the_device_and_the_launcher_wins():
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, "mpi"),  # python alone inside an 8-task allocation: the safe side
     ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_CONTROLLER": "gloo"}, "gloo"),  # horovodrun --gloo
 ])
-def test_launch_kind_is_read_from_the_launchers_variables(launch, kind):
-    env = {k: v for k, v in job_env().items() if not k.startswith(("OMPI_COMM", "PMI", "SLURM", "HOROVOD_"))}
-    env.update(launch)
-    out = subprocess.run([sys.executable, "-c", "import hvd_utils.runtime as r; print(r.launch_kind())"], env=env,
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == kind
+def test_launch_kind_is_read_from_the_launchers_variables(environment, launch, kind):
+    from hvd_utils import runtime
+
+    for key in [k for k in environment if k.startswith(("OMPI_COMM", "PMI", "SLURM", "HOROVOD_"))]:
+        del environment[key]
+    environment.update(launch)
+    assert runtime.launch_kind() == kind
 
 
 @pytest.mark.distributed
