@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from conftest import BIN, QUIET, ROOT, WORKERS, assert_refused, last_checkpoint, launch, read_json, run_app
+from conftest import QUIET, ROOT, WORKERS, assert_refused, last_checkpoint, launch, read_json, run_app
 
 FOLDER = ROOT / "examples" / "text_classifier"
 RECIPE = ("--config", "text_classifier.yaml", "--trust-code")
@@ -52,11 +52,11 @@ def test_the_text_example_reaches_its_stated_accuracy_on_two_ranks(trained):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("fmt", ["onnx", "safetensors"])
-def test_the_text_example_exports_with_both_inputs_by_name(trained, fmt, tmp_path):
+def test_the_text_example_exports_with_both_inputs_by_name(trained, tool, fmt, tmp_path):
     out, _ = trained
     target = tmp_path / f"model.{fmt}"
-    proc = launch("single", 1, BIN / "hvd-train", "export", out, "--format", fmt, "--trust-code", "--out", target,
-                  cwd=FOLDER)
+    proc = tool("export", out, "--format", fmt, "--trust-code", "--out", target, cwd=FOLDER)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "parity on 16 validation samples of text_classifier:datasets" in proc.stdout, proc.stdout
     assert "top-1 agrees on 16/16" in proc.stdout
     meta = json.loads((tmp_path / f"model.{fmt}.json").read_text())
@@ -104,7 +104,7 @@ def test_the_text_example_resumes_bitwise_within_an_epoch_under_mpirun(tmp_path)
 
 
 @pytest.mark.distributed
-def test_bert_trains_with_the_default_task_resumes_evaluates_and_exports_to_onnx(tmp_path):
+def test_bert_trains_with_the_default_task_resumes_evaluates_and_exports_to_onnx(tmp_path, app, tool, monkeypatch):
     # HuggingFace's BertForSequenceClassification: keyword inputs, an output object with .logits. The recipe's data
     # (4000 reviews); 0.0005 x 2 ranks, constant, as BERT's post-norm layers want a smaller rate than the recipe's.
     common = [*RECIPE, "--model", "text_classifier:bert", "--lr", "0.0005", "--lr-schedule", "constant"]
@@ -116,23 +116,26 @@ def test_bert_trains_with_the_default_task_resumes_evaluates_and_exports_to_onnx
     assert summary["model"] == "text_classifier:bert" and summary["world_size"] == 2
     history = summary["history"]
     assert history[1]["val_loss"] < history[0]["val_loss"] and history[1]["val_acc1"] > 65  # 52% at chance
-    run_app("horovodrun-mpi", 2, *RECIPE, "--model", "text_classifier:bert", "--evaluate", "--resume", "auto",
-            "--output-dir", tmp_path / "bert", cwd=FOLDER)
+    # Evaluated and exported by one process (the evaluation of 2 ranks: test_training_app).
+    monkeypatch.chdir(FOLDER)
+    result = app(*RECIPE, "--model", "text_classifier:bert", "--evaluate", "--resume", "auto", "--output-dir",
+                 tmp_path / "bert")
+    assert result.returncode == 0, result.stdout + result.stderr
     evaluation = read_json(tmp_path / "bert" / "evaluation.json")
     assert evaluation["epoch"] == 2 and evaluation["count"] == 1000
     last = tmp_path / "bert" / "checkpoints" / "last.pt"
     assert evaluation["loss"] == pytest.approx(history[1]["val_loss"], rel=1e-5)
-    out = launch("single", 1, BIN / "hvd-train", "export", last, "--format", "onnx", "--trust-code", cwd=FOLDER)
-    assert "parity on 16 validation samples" in out.stdout, out.stdout
+    out = tool("export", last, "--format", "onnx", "--trust-code")
+    assert out.returncode == 0 and "parity on 16 validation samples" in out.stdout, out.stdout + out.stderr
     meta = read_json(tmp_path / "bert" / "export" / "model.onnx.json")
     assert [(i["name"], i["dtype"]) for i in meta["inputs"]] == [("input_ids", "int64"), ("attention_mask", "int64")]
 
 
-def test_shards_of_the_text_example_hold_no_image_facts_and_train(tmp_path, app, monkeypatch):
+def test_shards_of_the_text_example_hold_no_image_facts_and_train(tmp_path, app, tool, monkeypatch):
     monkeypatch.chdir(FOLDER)
     out = tmp_path / "shards"
-    proc = launch("single", 1, BIN / "hvd-train", "shard", "--from", "text_classifier:datasets", *SMALL, "--out",
-                  out, "--shard-size", "256", cwd=FOLDER)
+    proc = tool("shard", "--from", "text_classifier:datasets", *SMALL, "--out", out, "--shard-size", "256")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "train: 1024 samples in 4 shard(s)" in proc.stdout, proc.stdout + proc.stderr
     facts = read_json(out / "index.json")["facts"]
     assert not {"in_channels", "image_size"} & set(facts), facts  # absent, not null

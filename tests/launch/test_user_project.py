@@ -89,20 +89,19 @@ def shapes_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "onnx"])
-def test_a_model_trained_on_dict_samples_exports_and_passes_its_parity_check(shapes_run, fmt):
-    proc = launch("single", 1, BIN / "hvd-train", "export", shapes_run, "--format", fmt, "--trust-code",
-                  "--overwrite", cwd=SHAPES)
+def test_a_model_trained_on_dict_samples_exports_and_passes_its_parity_check(shapes_run, tool, fmt):
+    proc = tool("export", shapes_run, "--format", fmt, "--trust-code", "--overwrite", cwd=SHAPES)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "parity on 16 validation samples of shapes:datasets" in proc.stdout, proc.stdout + proc.stderr
     meta = json.loads(next((shapes_run / "export").glob(f"*.{fmt}.json")).read_text())
     assert meta["input"]["shape"] == ["batch", 1, 32, 32] and meta["parity"]["max_abs_diff"] < 1e-3
 
 
-def test_predict_on_a_model_of_ones_own_task_says_it_needs_an_image_classifier(shapes_run, tmp_path):
+def test_predict_on_a_model_of_ones_own_task_says_it_needs_an_image_classifier(shapes_run, tmp_path, tool):
     from PIL import Image
 
     Image.new("L", (32, 32)).save(tmp_path / "shape.png")
-    proc = launch("single", 1, BIN / "hvd-train", "predict", shapes_run, tmp_path / "shape.png", "--trust-code",
-                  cwd=SHAPES, check=False)
+    proc = tool("predict", shapes_run, tmp_path / "shape.png", "--trust-code", cwd=SHAPES)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "needs an image classifier" in proc.stderr and "--task shapes:FindTheRectangle" in proc.stderr, proc.stderr
 
@@ -117,11 +116,12 @@ def test_the_benchmark_times_a_task_whose_batches_are_dicts(tmp_path, app, monke
     assert summary["mode"] == "benchmark" and summary["img_per_sec_total"] > 0
 
 
-def test_a_users_data_set_of_dict_samples_becomes_shards_and_trains_from_them(tmp_path, app, monkeypatch):
+def test_a_users_data_set_of_dict_samples_becomes_shards_and_trains_from_them(tmp_path, app, tool, monkeypatch):
     monkeypatch.chdir(SHAPES)
     out = tmp_path / "shards"
-    proc = launch("single", 1, BIN / "hvd-train", "shard", "--from", "shapes:datasets", "--data-args",
-                  "num_train=96,num_val=32", "--out", out, "--shard-size", "40", cwd=SHAPES)
+    proc = tool("shard", "--from", "shapes:datasets", "--data-args", "num_train=96,num_val=32", "--out", out,
+                "--shard-size", "40")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "train: 96 samples in 3 shard(s)" in proc.stdout, proc.stdout + proc.stderr
     index = read_json(out / "index.json")
     assert index["facts"]["structure"][0] == "dict" and index["facts"]["transform"] == "samples"
