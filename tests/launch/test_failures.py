@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -149,6 +150,9 @@ def test_a_second_job_in_the_same_output_dir_is_refused_and_a_dead_job_s_lock_ta
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # as a host that dies: the lock stays behind
         first.wait(timeout=60)
+    # mpirun's ranks may outlive horovodrun for a moment (they go when their launcher's pipes close): the job is
+    # gone when its rank 0 is.
+    wait_for(lambda: not psutil.pid_exists(holder["pid"]), "the killed job's rank 0 to end")
     assert json.loads(lock.read_text())["pid"] == holder["pid"]
     third = app("--output-dir", out, "--epochs", "2", "--overwrite", "--logging.tensorboard=true")  # rank 0's part
     assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-2000:]
