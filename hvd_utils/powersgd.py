@@ -74,19 +74,23 @@ class LowRank:
         self.q = {i: torch.randn(m, r, generator=gen).to(device) for i, (n, m, r) in sorted(plan.compressed.items())}
         self.residuals = None  # {i: n x m}, made at the first compressed step
 
-    def reduce(self, grads, mean):
+    def reduce(self, grads, mean, into=None):
         """The average over the ranks of `grads` (one per planned tensor, any dtype), compressed where planned.
         mean(list of (name, flat tensor)) -> their averages over the ranks, run together (every rank calls it
-        the same way). Returns new tensors shaped and typed like `grads`."""
+        the same way). Returns tensors shaped and typed like `grads`: new ones, or `into`'s (a list like grads,
+        which may be grads itself), written in place: P Q^T straight into a float32 gradient saves a copy of
+        every compressed gradient a step."""
         plan, out = self.plan, [None] * len(grads)
         if not plan.compressed:  # nothing worth compressing (a small model, a high rank): the plain average
-            return plain_mean(grads, mean)
+            return plain_mean(grads, mean, into)
         if self.residuals is None:
             self.residuals = {i: torch.zeros(n, m, device=grads[i].device) for i, (n, m, _) in plan.compressed.items()}
         order = sorted(plan.compressed)
         for i in order:  # Q orthonormal first (the same on every rank): P keeps M's scale, not its square's
             orthonormalize_(self.q[i])
-        ms = {i: grads[i].detach().float().reshape(self.residuals[i].shape) + self.residuals[i] for i in order}
+        # M made in the residual's own buffer (residual + gradient; M - P Q^T below is the next residual): a fresh
+        # tensor of every compressed gradient's size a step cost more than the three products together.
+        ms = {i: self.residuals[i].add_(grads[i].detach().reshape(self.residuals[i].shape)) for i in order}
         ps = [ms[i] @ self.q[i] for i in order]
         sent = [("powersgd.p", _flat(ps))]
         if plan.plain:
@@ -96,20 +100,31 @@ class LowRank:
         local_qs = [ms[i].T @ p for i, p in zip(order, ps)]  # M^T P: this rank's, averaged next
         if plan.plain:
             for i, g in zip(plan.plain, _unflat(averaged[1], [grads[i] for i in plan.plain])):
-                out[i] = g.to(grads[i].dtype)
+                out[i] = _put(g, grads[i], into and into[i])
         qs = mean([("powersgd.q", _flat(local_qs))])[0]
         for i, p, q in zip(order, ps, _unflat(qs, local_qs)):
             self.q[i] = q.clone()  # warm start: the next step's power iteration begins from it
-            approx = p @ q.T
-            out[i] = approx.reshape(grads[i].shape).to(grads[i].dtype)
+            target = into and into[i]
+            if target is not None and target.dtype == torch.float32 and target.is_contiguous():
+                approx = torch.matmul(p, q.T, out=target.view(ms[i].shape))  # ms[i] is no view of grads[i]
+                out[i] = target
+            else:
+                approx = p @ q.T
+                out[i] = _put(approx.reshape(grads[i].shape), grads[i], target)
             self.residuals[i] = ms[i].sub_(approx)  # error feedback: what the average left out of this rank's own
         return out
 
 
-def plain_mean(grads, mean):
-    """The uncompressed average of `grads` (before the start step): one fused collective."""
+def plain_mean(grads, mean, into=None):
+    """The uncompressed average of `grads` (before the start step): one fused collective. Written into `into`'s
+    tensors where given (as LowRank.reduce)."""
     averaged = mean([("powersgd.all", _flat([g.detach() for g in grads]))])[0]
-    return [a.to(g.dtype) for a, g in zip(_unflat(averaged, grads), grads)]
+    return [_put(a, g, into and into[i]) for i, (a, g) in enumerate(zip(_unflat(averaged, grads), grads))]
+
+
+def _put(value, like, target):
+    """`value` typed like `like`: copied into `target` where there is one, else a new tensor."""
+    return value.to(like.dtype) if target is None else target.copy_(value.view(target.shape))
 
 
 def _flat(tensors):

@@ -16,9 +16,9 @@ residuals, each a rank's own, start again from zero (said in one line).
 import horovod.torch as hvd
 import torch
 
+from hvd_utils.comm import gather_to, scatter_from
 from hvd_utils.powersgd import LowRank, Plan, plain_mean
 from hvd_utils.wrapped import WrappedOptimizer
-from hvd_utils.zero import gather_to, scatter_from
 
 
 class PowerSGDOptimizer(WrappedOptimizer):
@@ -58,10 +58,11 @@ class PowerSGDOptimizer(WrappedOptimizer):
             if self.scaler is not None and self._overflowed():
                 self.synced = True
                 return  # the scaler skips this step on every rank; the residuals and Q stay as they were
-            grads = [p.grad for p in self.params]
-            averaged = self.lowrank.reduce(grads, self._mean) if self.compressing else plain_mean(grads, self._mean)
-        for p, g in zip(self.params, averaged):
-            p.grad.copy_(g)
+            grads = [p.grad for p in self.params]  # the averages are written back into them
+            if self.compressing:
+                self.lowrank.reduce(grads, self._mean, into=grads)
+            else:
+                plain_mean(grads, self._mean, into=grads)
         self.steps += 1
         self.synced = True
 
@@ -85,12 +86,6 @@ class PowerSGDOptimizer(WrappedOptimizer):
             handles.append((hvd.allreduce_async(sent, op=hvd.Average, name=name), ctx))
         return [self.compression.decompress(hvd.synchronize(h), ctx).float() for h, ctx in handles]
 
-    def step(self, closure=None):
-        if not self.synced:
-            self.synchronize()
-        self.synced = False
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-
     # ----------------------------------------------------------------------------------------------------------------
     # Checkpoints: the wrapped optimizer's state, plus the compression's.
 
@@ -106,10 +101,10 @@ class PowerSGDOptimizer(WrappedOptimizer):
         if res:  # on the CPU: rank 0 holds every rank's at a checkpoint, never on its GPU
             own = torch.cat([res[i].reshape(-1) for i in sorted(res)]).cpu()
             if root_rank is None:
-                residuals = list(hvd.allgather(own.unsqueeze(0), name="powersgd.residuals").cpu())
+                residuals = list(hvd.allgather(own.unsqueeze(0), name="powersgd.residuals"))
             else:
                 gathered = gather_to(root_rank, own, "powersgd.residuals")
-                residuals = list(gathered.view(hvd.size(), -1).cpu()) if hvd.rank() == root_rank else None
+                residuals = list(gathered.view(hvd.size(), -1)) if hvd.rank() == root_rank else None
         return {"key": self.plan.key(), "steps": self.steps, "world_size": hvd.size(),
                 "q": {i: q.cpu().clone() for i, q in self.lowrank.q.items()}, "residuals": residuals}
 

@@ -22,3 +22,11 @@ class WrappedOptimizer:
     @contextlib.contextmanager
     def skip_synchronize(self):
         yield
+
+    def step(self, closure=None):
+        """synchronize() unless it already ran (the caller looked at the averaged gradients), then the wrapped
+        optimizer's step. A subclass sets self.synced in synchronize() and clears it in zero_grad()."""
+        if not self.synced:
+            self.synchronize()
+        self.synced = False
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()

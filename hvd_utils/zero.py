@@ -19,6 +19,7 @@ import os
 import horovod.torch as hvd
 import torch
 
+from hvd_utils.comm import gather_to
 from hvd_utils.flat import FlatGroup
 from hvd_utils.rank0 import broadcast_state_dict
 from hvd_utils.wrapped import WrappedOptimizer
@@ -130,10 +131,7 @@ class ShardedOptimizer(WrappedOptimizer):
             self.deal(self.committed)
 
     def step(self, closure=None):
-        if not self.synced:
-            self.synchronize()
-        self.synced = False
-        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        loss = super().step(closure)
         self.gather_weights()
         return loss
 
@@ -273,28 +271,6 @@ class ShardedOptimizer(WrappedOptimizer):
         full = broadcast_state_dict(full, root_rank, "zero.state")
         self.loaded = None
         self.deal(full)
-
-
-def gather_to(root_rank, tensor, name):
-    """Every rank's `tensor`, back to back in rank order, on root_rank alone (an alltoall in which every rank sends
-    all of it there and nothing elsewhere: Horovod has no gather); the other ranks get an empty tensor."""
-    splits = torch.zeros(hvd.size(), dtype=torch.int32)
-    splits[root_rank] = tensor.numel()
-    out = hvd.alltoall(tensor, splits=splits, name=name)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def scatter_from(root_rank, tensors, name, dtype=torch.float32):
-    """root_rank's `tensors` (one per rank, all of one length) dealt out: rank k gets tensors[k] (an alltoall in
-    which only root_rank sends); the other ranks pass None."""
-    splits = torch.zeros(hvd.size(), dtype=torch.int32)
-    if hvd.rank() == root_rank:
-        sent = torch.cat([t.reshape(-1).cpu() for t in tensors])
-        splits[:] = tensors[0].numel()
-    else:
-        sent = torch.zeros(0, dtype=dtype)
-    out = hvd.alltoall(sent, splits=splits, name=name)
-    return out[0] if isinstance(out, tuple) else out
 
 
 def _per_element(key, value, shape):

@@ -135,3 +135,33 @@ def test_nothing_worth_compressing_is_the_plain_mean_with_no_residuals():
     lows = [LowRank(plan, "cpu") for _ in range(2)]
     out = Ranks(2).run(lambda r, m: lows[r].reduce(grads[r], m))
     assert torch.equal(out[0][1], (grads[0][1] + grads[1][1]) / 2) and lows[0].residuals is None
+
+
+def test_written_into_the_gradients_it_is_what_it_returns_and_leaves_the_same_state():
+    # PowerSGDOptimizer has reduce() write the averages into the .grad tensors it reads: P Q^T goes straight into a
+    # float32 gradient, a bfloat16 one (and the plain tensors) take a copy. Two steps, for the warm start and the
+    # residuals the first one left.
+    shapes = [(6, 4), (3, 2, 2), (5,), (8, 6)]
+    plan = Plan(shapes, rank=2, min_compression=0)
+
+    def steps(rank, mean, in_place):
+        low = LowRank(plan, "cpu")
+        results = []
+        for step in range(2):
+            grads = grads_of(10 * rank + step, shapes)
+            grads[3] = grads[3].to(torch.bfloat16)
+            out = low.reduce(grads, mean, into=grads if in_place else None)
+            if in_place:
+                assert all(o is g for o, g in zip(out, grads))
+            results.append([o.clone() for o in out])
+        return results, low.q, low.residuals
+
+    for (new, q, residuals), (written, q2, residuals2) in zip(Ranks(2).run(lambda r, m: steps(r, m, False)),
+                                                              Ranks(2).run(lambda r, m: steps(r, m, True))):
+        for a, b in zip(sum(new, []), sum(written, [])):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert all(torch.equal(q[i], q2[i]) and torch.equal(residuals[i], residuals2[i]) for i in q)
+    full = Ranks(2).run(lambda r, m: plain_mean(grads_of(r, shapes), m))
+    into = [grads_of(r, shapes) for r in range(2)]
+    Ranks(2).run(lambda r, m: plain_mean(into[r], m, into=into[r]))
+    assert all(torch.equal(a, b) for a, b in zip(full[0], into[0]))
