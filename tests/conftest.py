@@ -217,6 +217,8 @@ def in_this_process(monkeypatch, capfd, argv, entry, env=None, cwd=None):
     import torch
 
     saved_env, threads, saved_cwd = dict(os.environ), torch.get_num_threads(), os.getcwd()
+    saved_umask = os.umask(0o022)  # the app's keep_private() sets its own
+    os.umask(saved_umask)
     saved_path, saved_modules = list(sys.path), set(sys.modules)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     wakeup_fd = signal.set_wakeup_fd(-1)
@@ -233,6 +235,7 @@ def in_this_process(monkeypatch, capfd, argv, entry, env=None, cwd=None):
             entry()
     finally:
         os.chdir(saved_cwd)
+        os.umask(saved_umask)
         os.environ.clear()
         os.environ.update(saved_env)
         torch.set_num_threads(threads)
@@ -243,9 +246,10 @@ def in_this_process(monkeypatch, capfd, argv, entry, env=None, cwd=None):
         root.setLevel(root_level)
         faulthandler.unregister(signal.SIGUSR2)
         sys.path[:] = saved_path
-        for name in set(sys.modules) - saved_modules:  # a user's plug-in modules, which tests write afresh
-            where = getattr(sys.modules[name], "__file__", None)
-            if where and not where.startswith((sys.prefix, sys.base_prefix, str(ROOT))):
+        for name in set(sys.modules) - saved_modules:  # a user's plug-in modules (the examples' too), which
+            where = getattr(sys.modules[name], "__file__", None)  # tests write afresh or expect unimported
+            if where and (not where.startswith((sys.prefix, sys.base_prefix, str(ROOT)))
+                          or where.startswith(str(ROOT / "examples"))):
                 del sys.modules[name]
     out = capfd.readouterr()
     return AppResult(exited.value.code, out.out, out.err)

@@ -78,7 +78,11 @@ class RunLock:
         if holder is None or holder.get("host") != socket.gethostname():
             return f"its lock was not touched for {age:.0f} s" if age > STALE_S else None
         try:
-            alive = abs(psutil.Process(holder["pid"]).create_time() - holder["started"]) < 1.0
+            process = psutil.Process(holder["pid"])
+            # A zombie has ended: only its parent has not reaped it (a killed launcher's rank, in a container
+            # whose first process reaps nothing).
+            alive = (abs(process.create_time() - holder["started"]) < 1.0
+                     and process.status() != psutil.STATUS_ZOMBIE)
         except (psutil.NoSuchProcess, KeyError, TypeError):
             alive = False
         return None if alive else f"pid {holder.get('pid')} on {holder['host']} no longer runs"

@@ -134,6 +134,14 @@ def test_killing_the_checkpoint_writer_at_any_moment_leaves_a_loadable_checkpoin
     assert not [name for name in os.listdir(tmp_path) if ".tmp." in name]
 
 
+def ended(pid):
+    """The process is gone, or a zombie (ended, not reaped)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 @pytest.mark.distributed
 def test_a_second_job_in_the_same_output_dir_is_refused_and_a_dead_job_s_lock_taken_over(tmp_path, app):
     out, lock = tmp_path / "run", tmp_path / "run" / ".hvd-train.lock"
@@ -152,7 +160,7 @@ def test_a_second_job_in_the_same_output_dir_is_refused_and_a_dead_job_s_lock_ta
         first.wait(timeout=60)
     # mpirun's ranks may outlive horovodrun for a moment (they go when their launcher's pipes close): the job is
     # gone when its rank 0 is.
-    wait_for(lambda: not psutil.pid_exists(holder["pid"]), "the killed job's rank 0 to end")
+    wait_for(lambda: ended(holder["pid"]), "the killed job's rank 0 to end")
     assert json.loads(lock.read_text())["pid"] == holder["pid"]
     third = app("--output-dir", out, "--epochs", "2", "--overwrite", "--logging.tensorboard=true")  # rank 0's part
     assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-2000:]
@@ -160,6 +168,25 @@ def test_a_second_job_in_the_same_output_dir_is_refused_and_a_dead_job_s_lock_ta
            f"runs)" in third.stdout
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2 and not lock.exists()
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) <= 1
+
+
+def test_a_lock_whose_holder_is_a_zombie_is_taken_over(tmp_path):
+    # A job's rank 0 killed with its launcher, in a container whose first process reaps nothing, stays a zombie.
+    from hvd_train.run.lock import RunLock
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])  # ends, and stays a zombie until it is waited for
+    try:
+        wait_for(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, "the child to end")
+        holder = {"host": socket.gethostname(), "pid": child.pid, "started": psutil.Process(child.pid).create_time()}
+        (tmp_path / "run").mkdir()
+        lock = RunLock(str(tmp_path / "run"))
+        (tmp_path / "run" / ".hvd-train.lock").write_text(json.dumps(holder))
+        assert lock.gone(holder) == f"pid {child.pid} on {holder['host']} no longer runs"
+        holder["pid"] = os.getpid()
+        holder["started"] = psutil.Process().create_time()
+        assert lock.gone(holder) is None  # a live holder holds it
+    finally:
+        child.wait()
 
 
 def test_a_lock_from_another_host_holds_until_it_goes_stale(tmp_path, app):
