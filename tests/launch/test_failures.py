@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hvd_train.run import checkpoint, resume
+from hvd_train.run.lock import RunLock
 from hvd_train.checks import check_shards
 from hvd_train.errors import EXIT_BAD_DATA, EXIT_FAILED, ConfigError
 from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, find_mpirun, job_env, launch,
@@ -134,14 +135,6 @@ def test_killing_the_checkpoint_writer_at_any_moment_leaves_a_loadable_checkpoin
     assert not [name for name in os.listdir(tmp_path) if ".tmp." in name]
 
 
-def ended(pid):
-    """The process is gone, or a zombie (ended, not reaped)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 @pytest.mark.distributed
 def test_a_second_job_in_the_same_output_dir_is_refused_and_a_dead_job_s_lock_taken_over(tmp_path, app):
     out, lock = tmp_path / "run", tmp_path / "run" / ".hvd-train.lock"
@@ -160,7 +153,7 @@ def test_a_second_job_in_the_same_output_dir_is_refused_and_a_dead_job_s_lock_ta
         first.wait(timeout=60)
     # mpirun's ranks may outlive horovodrun for a moment (they go when their launcher's pipes close): the job is
     # gone when its rank 0 is.
-    wait_for(lambda: ended(holder["pid"]), "the killed job's rank 0 to end")
+    wait_for(lambda: RunLock(str(out)).gone(holder), "the killed job's rank 0 to end")
     assert json.loads(lock.read_text())["pid"] == holder["pid"]
     third = app("--output-dir", out, "--epochs", "2", "--overwrite", "--logging.tensorboard=true")  # rank 0's part
     assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-2000:]
@@ -172,8 +165,6 @@ def test_a_second_job_in_the_same_output_dir_is_refused_and_a_dead_job_s_lock_ta
 
 def test_a_lock_whose_holder_is_a_zombie_is_taken_over(tmp_path):
     # A job's rank 0 killed with its launcher, in a container whose first process reaps nothing, stays a zombie.
-    from hvd_train.run.lock import RunLock
-
     child = subprocess.Popen([sys.executable, "-c", "pass"])  # ends, and stays a zombie until it is waited for
     try:
         wait_for(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, "the child to end")
