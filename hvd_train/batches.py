@@ -4,7 +4,7 @@ import contextlib
 
 import torch
 
-from hvd_train.tasks import first_tensor
+from hvd_train.run_task import first_tensor
 
 
 def autocast(device, amp):

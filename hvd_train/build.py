@@ -16,6 +16,7 @@ from hvd_train.config import OPTIMIZERS
 from hvd_train.errors import ConfigError
 from hvd_train.plugins import call, is_import_path, resolve, takes
 from hvd_train.profiling import StepProfiler
+from hvd_train.run_task import samples_in
 from hvd_train.data.augment import Augmentation, generators_kept
 from hvd_train.schedule import batching
 from hvd_train.weights import load_matching
@@ -188,7 +189,7 @@ def try_a_sample(model, task, info, device, cfg):
             from None
     finally:
         model.train(was_training)
-    samples = tasks.samples_in(batch)
+    samples = samples_in(batch)
     if task.name == "classification" and (logits.dim() != 2 or logits.shape[0] != samples):
         raise ConfigError(f"--model {cfg.model.name}: the classification task takes logits of shape (batch, "
                           f"classes), and the model returned {list(logits.shape)} for a batch of {samples}; return "

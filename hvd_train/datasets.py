@@ -52,7 +52,7 @@ def build_datasets(dc, seed=0, augment=None):
                               f"be map-style; wrap a stream in a map-style Dataset, or shard its files yourself")
     where = f" in {dc.data_dir}" if takes(factory, "data_dir") else ""
     train, val, info = datasets_from(made[0], made[1], made[2] if len(made) == 3 else {}, dc, where)
-    info.called_with = kwargs  # what the setup's data line shows (hvd_train/run/reporting.py)
+    info.called_with = kwargs  # what the setup's data line shows (hvd_train/run/setup_lines.py)
     return train, val, info
 
 

@@ -23,7 +23,8 @@ from hvd_train.engine import Hooks, StepOptions, Trainer
 from hvd_train.feed import Feed
 from hvd_train import engine
 from hvd_train.regularize import Mixing, weight_average
-from hvd_train.run.reporting import finish as write_summary, log_rescale, log_setup
+from hvd_train.run.reporting import finish as write_summary
+from hvd_train.run.setup_lines import log_rescale, log_setup
 from hvd_train.run.directory import RunDir, write_config
 from hvd_train.run.saves import StepSaves
 from hvd_train.run.resume import checkpoint_fits, read_checkpoint, restore_rank_buffers

@@ -1,7 +1,7 @@
 """Exact metrics across ranks: sums and counts reduced once, never a mean of per-rank means.
 
 Alone (hvd.size() == 1) each function returns its local answer without Horovod: a collective would only wait for
-Horovod's next cycle, which is 100 ms in a process started alone (hvd_utils/runtime.py)."""
+Horovod's next cycle, which is 100 ms in a process started alone (hvd_utils/tuning.py)."""
 import hashlib
 
 import horovod.torch as hvd
@@ -17,7 +17,7 @@ def allreduce_sums(sums, name="metric_sums"):
     """
     keys = sorted(sums)
     values = [torch.as_tensor(sums[k], dtype=torch.float64).detach().cpu() for k in keys]
-    if values and hvd.size() > 1:  # alone: no wait for Horovod's next cycle (100 ms when alone, hvd_utils/runtime.py)
+    if values and hvd.size() > 1:  # alone: no wait for Horovod's next cycle (100 ms when alone, hvd_utils/tuning.py)
         packed = hvd.allreduce(torch.cat([v.reshape(-1) for v in values]), op=hvd.Sum, name=name)
         values = [part.reshape(v.shape) for part, v in zip(packed.split([v.numel() for v in values]), values)]
     return summed(dict(zip(keys, values)))

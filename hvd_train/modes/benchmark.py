@@ -23,7 +23,7 @@ from hvd_train.feed import Feed, image_figures
 from hvd_train.engine import Hooks, train_one_epoch
 from hvd_train.errors import ConfigError, NonFiniteLossError
 from hvd_train.plugins import is_import_path
-from hvd_train.tasks import samples_in
+from hvd_train.run_task import samples_in
 from hvd_train.run.reporting import peak_rss_bytes, seconds_since_start
 from hvd_train.files import write_json
 from hvd_train.run.directory import RunDir

@@ -13,7 +13,8 @@ from hvd_train.data import build_loaders, check_world
 from hvd_train.build import attach_profiler, load_initial_weights
 from hvd_train.schedule import batching
 from hvd_train.engine import Hooks, fit
-from hvd_train.run.reporting import finish, log_setup
+from hvd_train.run.reporting import finish
+from hvd_train.run.setup_lines import log_setup
 from hvd_train.run.resume import resume
 from hvd_train.run.state import AfterEpoch, RunState, outputs_for
 from hvd_train.run.tracking import local_mlflow

@@ -180,7 +180,7 @@ def test_digits_split_sizes_and_shapes():
 
 def test_a_data_set_records_the_arguments_its_factory_was_called_with_never_as_a_fact():
     from hvd_train.data.augment import Augmentation
-    from hvd_train.run.reporting import describe_call
+    from hvd_train.run.setup_lines import describe_call
 
     augment = Augmentation()
     _, _, info = build_datasets(DataConfig(image_size=16), 5, augment)

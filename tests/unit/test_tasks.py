@@ -8,7 +8,8 @@ from torch import nn
 
 from hvd_train.epoch_line import format_record
 from hvd_train.errors import ConfigError
-from hvd_train.tasks import Classification, RunTask, logits_of, split_batch
+from hvd_train.run_task import RunTask
+from hvd_train.tasks import Classification, logits_of, split_batch
 
 
 class Keywords(nn.Module):
