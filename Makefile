@@ -20,7 +20,7 @@ help:
 	@echo "make test-builds  compile the NCCL build and the offline build against another torch, and train with each"
 	@echo "make test-images  build both Docker images and train in and across containers (needs a Docker engine)"
 	@echo "make bench   benchmark against bare PyTorch, torchrun DDP and raw allreduce; writes runs/bench/<date>.{json,md}"
-	@echo "make lint    flake8"
+	@echo "make lint    flake8, the layering's contracts (import-linter) and the typed seams (mypy)"
 	@echo "make clean   remove .venv and runs/ (the cached Horovod wheel in ~/.cache/hvd-train stays)"
 
 setup: $(READY)
@@ -64,8 +64,11 @@ test-images: setup
 bench: setup
 	$(PY) bench/run.py
 
+# The floor plan as a contract: import-linter's layers and no cycles (setup.cfg [importlinter]), mypy on the annotated
+# modules (setup.cfg [mypy]); docs/architecture.md says what each room owns and may import.
 lint: setup
 	$(PY) -m flake8
+	$(PY) scripts/check_layers.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -35,9 +35,9 @@ def main(argv=None, cfg=None):
                     cycle_time_ms=cfg.horovod.cycle_time_ms, gloo_timeout_s=app.gloo_timeout_s(cfg))
     # Horovod: 2. pin this rank to the GPU of its local rank (without GPUs: its share of the host's CPU cores).
     rt = hvd_utils.pin_to_local_rank(cpu=cfg.run.device == "cpu")
-    app.settle(cfg, rt)  # rank 0 logs; signals reported; seed + rank; --output-dir writable
-    if app.measures(cfg):  # --benchmark or --evaluate: they measure, and train nothing
-        return app.measure(cfg, rt)
+    app.prepare_rank(cfg, rt)  # rank 0 logs; signals reported; seed + rank; --output-dir writable
+    if app.is_measurement(cfg):  # --benchmark or --evaluate: they measure, and train nothing
+        return app.run_measurement(cfg, rt)
 
     data = training.load_data(cfg, rt)
     # Horovod: 3. each rank reads its own shard of the training set, reshuffled every epoch:
@@ -50,17 +50,17 @@ def main(argv=None, cfg=None):
     # optimizer wrapped in hvd.DistributedOptimizer, which averages the gradients across ranks in backward().
     scaled = training.batching(cfg, rt.size)
     optimizer = training.optimizer(cfg, model, lr=scaled.lr)
-    optimizer = hvd_utils.distributed_optimizer(optimizer, model, **training.allreduce_options(cfg))
+    optimizer = hvd_utils.distributed_optimizer(optimizer, model, training.wire_options(cfg))
     trainer = training.trainer(cfg, data.info, rt, model, task, optimizer, scaled)
 
     if cfg.horovod.elastic:  # workers come and go: the claim, Horovod's state sync (its broadcast) and fit run
         return elastic.train(cfg, rt, data, trainer, loaders)  # inside Horovod's elastic loop
     # Rank 0 claims --output-dir (an earlier run is never clobbered); on --resume it reads the checkpoint.
-    with training.claim(cfg, rt, data.info, trainer) as run:
+    with training.open_run(cfg, rt, data.info, trainer) as run:
         # Horovod: 5. every rank starts from rank 0's weights and optimizer state (a resumed run: the checkpoint's).
         hvd_utils.broadcast_state(trainer.model, trainer.optimizer, root_rank=0)
         training.fit(run, loaders)  # epochs of train_one_epoch + evaluate; rank 0 checkpoints and reports
-        return training.finish(run)  # the ranks' weights compared; summary.json
+        return training.close_run(run)  # the ranks' weights compared; summary.json
 
 
 def cli():

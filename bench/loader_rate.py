@@ -13,7 +13,7 @@ import time
 from common import ROOT  # noqa: F401  (puts the app on the path)
 from hvd_train.data import LoaderSpec, build_loaders
 from hvd_train.config import DataConfig
-from hvd_train.datasets import build_datasets
+from hvd_train.data import build_datasets
 
 
 def datasets(source, data_dir, image_size):

@@ -5,7 +5,7 @@
            [--batch-size 64] [--image-size 224] [--batches 20] --out rate.json
     python bench/pipeline.py arrays --path torchvision|before|app --out rate.json    # CIFAR-shaped arrays, 32 px
 
-`loader` times one rank's training loader and what the feed does to its batches (hvd_train/feed.py) on this
+`loader` times one rank's training loader and what the feed does to its batches (hvd_train/trainer.py) on this
 machine's device, nothing else: torchvision's ImageFolder with its default training transforms (PIL decode,
 RandomResizedCrop, flip, ToTensor, Normalize: the peer, and what the app did before photos went as uint8), or the
 app's (--data.decode cpu: uint8 crops from the workers; gpu: bytes from the workers, nvjpeg and the crop on the
@@ -78,8 +78,8 @@ def app_loader(data_dir, size, batch, workers, decode, device):
     from hvd_train.config import DataConfig
     from hvd_train.data import LoaderSpec, build_loaders
     from hvd_train.data.augment import Augmentation
-    from hvd_train.datasets import build_datasets
-    from hvd_train.feed import Feed
+    from hvd_train.data import build_datasets
+    from hvd_train.trainer import Feed
 
     # The run's default augmentation (RandomResizedCrop and flip), as a training run passes it
     train, val, info = build_datasets(DataConfig(dataset="imagefolder", data_dir=data_dir, image_size=size), 0,
@@ -99,7 +99,7 @@ def arrays_loader(path, batch):
 
     from hvd_train.data.arrays import ImageTensorDataset
     from hvd_train.data.augment import Augmentation, SeededBatches, SeededSamples
-    from hvd_train.feed import Feed
+    from hvd_train.trainer import Feed
 
     mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
     images = torch.randint(0, 256, (10000, 3, 32, 32), dtype=torch.uint8)
@@ -199,7 +199,7 @@ def main():
         if args.path == "torchvision":
             loader, feed = torchvision_loader(args.data_dir, args.image_size, args.batch_size, args.workers)
             if device.type == "cuda":
-                from hvd_train.feed import Feed
+                from hvd_train.trainer import Feed
 
                 feed = Feed(device)  # the float batch to the GPU, as a training step would take it
         else:

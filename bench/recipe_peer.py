@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import common  # noqa: F401  (puts the project on sys.path)
 from hvd_train.data.augment import ThroughPIL, fix_posterize
-from hvd_train.data.digits import read_digits
-from hvd_train.data.split import split_indices
+from hvd_train.data.catalog import read_digits
+from hvd_train.data.samplers import split_indices
 from hvd_train.models import build_model
 
 

@@ -29,8 +29,8 @@ import tempfile
 import time
 
 from common import ROOT, spread
-from hvd_utils.tuning import MALLOC_VARS
-from hvd_utils.tuning import TUNING_DEFAULTS  # the app's defaults, so each row compares against what it ships
+from hvd_utils.runtime import MALLOC_VARS
+from hvd_utils.runtime import TUNING_DEFAULTS  # the app's defaults, so each row compares against what it ships
 
 PY = sys.executable
 BIN = os.path.dirname(PY)
@@ -38,7 +38,7 @@ SECTIONS = ("overhead", "scaling", "peer", "comm", "allreduce", "mpi", "tuning",
             "pipeline", "recipe", "checkpoint", "shard", "memory", "timing", "slowlink")
 APP_FUSION_MB = int(TUNING_DEFAULTS["cpu"]["fusion_threshold_mb"])
 APP_CYCLE_MS = TUNING_DEFAULTS["cpu"]["cycle_time_ms"]  # by launch: "mpi", "gloo", "alone"
-# Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.tuning.keep_freed_memory); this one
+# Any of glibc's malloc variables turns off the app's malloc setting (hvd_utils.runtime.keep_freed_memory); this one
 # restates glibc's own default trim threshold (128 KB), so the process runs as it would without the app's setting.
 GLIBC_MALLOC = {"MALLOC_TRIM_THRESHOLD_": 128 << 10}
 # Where results go unless --results-dir says otherwise: under runs/, which git ignores, so a benchmark leaves the
@@ -202,7 +202,7 @@ def section_comm(b):
     """A communication-bound model: VGG-11 at 32 px, 8 images a rank, 491 MB of gradients for 0.9 s of compute, so
     the allreduce is a third of a step or more. Seven runs in turn each repeat, the first of them rotating, all
     against one float32 run of the app: torchrun + DDP (Gloo) as in the peer section; the app with glibc's default
-    malloc (against hvd_utils.tuning.keep_freed_memory); the app with the MPI's own MPI_Allreduce instead of the
+    malloc (against hvd_utils.runtime.keep_freed_memory); the app with the MPI's own MPI_Allreduce instead of the
     build's shared-memory allreduce (HVD_TRAIN_SHM_ALLREDUCE=0); gradients on the wire as bfloat16 (--bf16-allreduce,
     Horovod's core patched for it) and as fp16; DDP given its bf16_compress_hook, the fair peer for a bfloat16
     wire."""

@@ -1,28 +1,46 @@
-"""Data sets, the train/validation split and the per-rank loaders. No Horovod here: ranks are arguments."""
+"""The data sets --dataset names, and the loaders that deal them out among the ranks.
+
+build_datasets() calls the factory --dataset names (one that ships, data/catalog.py, or the user's
+package.module:name) with the settings it names and --data-args, holds out a validation split where the data set
+has none of its own (the same cut on every rank), and describes the data for the model and the run in a DataInfo.
+build_loaders() gives each rank its share: a map-style data set through a DistributedSampler, each training sample's
+random transforms seeded by (seed, epoch, index) (data/augment.py), validation with no sample repeated
+(data/samplers.py); tar shards through a loader of their own (data/shards.py). continue_epoch() resumes an epoch
+that a checkpoint was taken within. No Horovod here: ranks are arguments.
+"""
+import dataclasses
 import functools
 import multiprocessing
 import os
 import sys
 import types
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, Optional, Sequence, Union, cast
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset, default_collate
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Subset, default_collate
 
-from hvd_train.data import photos, shard_index, shards
-from hvd_train.data.augment import SeededBatches, SeededSamples
-from hvd_train.data.catalog import CHOICES, DATASETS, FROM_FILES, find_dataset, native_size
-from hvd_train.data.errors import BadSampleError, DataError
-from hvd_train.data.preprocessing import Preprocessing, class_names
-from hvd_train.data.samplers import ShardSampler, rest_of_epoch
-from hvd_train.data.split import split_indices
+from hvd_train.data import shards
+from hvd_train.data.augment import SeededBatches, SeededSamples, seeded
+from hvd_train.data.catalog import CHOICES, DATASETS, FROM_FILES, IMAGE_FACTS, find_dataset, native_size
+from hvd_train.data.images import PhotoTransform, Preprocessing, class_names, collate_encoded, on_device
+from hvd_train.data.samplers import ShardSampler, rest_of_epoch, split_indices
+from hvd_train.data.shards import ShardSet, check_plan
 from hvd_train.data.workers import stop_signals_from
+from hvd_train.errors import BadSampleError, ConfigError, DataError
+from hvd_train.registry import arguments, resolve, takes
+
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+    from torch.utils.data import Dataset, Sampler
+
+    from hvd_train.config import DataConfig
+    from hvd_train.data.augment import Augmentation
 
 __all__ = ["CHOICES", "DATASETS", "FROM_FILES",
            "BadSampleError", "DataError", "DataInfo", "LoaderSpec", "build_loaders",
            "check_world", "continue_epoch", "datasets_from", "find_dataset", "is_streamed", "native_size"]
-IMAGE_FACTS = ("in_channels", "num_classes", "image_size")
 
 
 @dataclass
@@ -42,11 +60,11 @@ class DataInfo:
     # Facts a factory gets only where it names them as a parameter, never through **kwargs: those a shard index
     # (a file, and data) holds for a user's data set, so a timm model cannot be made to read a file or grow by them.
     by_name_only: tuple = ()
-    # The keyword arguments the data set's factory was called with (hvd_train/datasets.py; None: not built by
+    # The keyword arguments the data set's factory was called with (hvd_train/registry.py; None: not built by
     # it), for the setup's log line. Not a fact: never stored.
     called_with: Optional[dict] = field(default=None, repr=False, compare=False)
 
-    def facts(self):
+    def facts(self) -> dict[str, Any]:
         """The facts a model factory may name as parameters: the known image facts and the extra ones."""
         known = {name: getattr(self, name) for name in IMAGE_FACTS if getattr(self, name) is not None}
         return {**known, **self.extra}
@@ -64,7 +82,8 @@ class LoaderSpec:
     decode: str = "cpu"       # photos: "cpu" in the workers, "gpu" on the device, "auto": gpu where they are photos
 
 
-def _held_out(train, val, presplit, dc, where):
+def _held_out(train: "Dataset", val: "Dataset", presplit: bool, dc: "DataConfig",
+              where: str) -> "tuple[Dataset, Dataset]":
     """The two sets as given where the data set has its own split; else train's and val's views of the same samples
     cut by dc.val_fraction and dc.split_seed (the same cut on every rank). Both must be non-empty."""
     if not presplit:
@@ -76,7 +95,9 @@ def _held_out(train, val, presplit, dc, where):
     return train, val
 
 
-def datasets_from(train, val, facts, dc, where=""):
+def datasets_from(train: "Union[Dataset, ShardSet]", val: "Union[Dataset, ShardSet, None]",
+                  facts: Mapping[str, Any], dc: "DataConfig", where: str = ""
+                  ) -> "tuple[Union[Dataset, ShardSet], Union[Dataset, ShardSet], DataInfo]":
     """(train, val, DataInfo) from what a data set factory returned, the ones that ship as a user's. Without a
     validation set, or with the fact held_out (val holds the training samples with evaluation transforms), the
     samples are cut by data.val_fraction and data.split_seed, the same cut on every rank."""
@@ -88,12 +109,14 @@ def datasets_from(train, val, facts, dc, where=""):
     facts.pop("classes", None)
     image = [facts.pop(name, None) for name in IMAGE_FACTS]
     from_file = tuple(train.facts.get("extra") or {}) if is_streamed(train) else ()
-    return train, val, DataInfo(*image, len(train), len(val), extra=facts, classes=named, by_name_only=from_file,
-                                preprocessing=_preprocessing(recorded, image, dc),
-                                example=functools.partial(example_batch, train, val, image))
+    # The ignore: mypy does not count the three image facts the list spreads into DataInfo's first fields
+    return train, val, DataInfo(  # type: ignore[call-arg, misc]
+        *image, len(train), len(val), extra=facts, classes=named, by_name_only=from_file,
+        preprocessing=_preprocessing(recorded, image, dc), example=functools.partial(example_batch, train, val, image))
 
 
-def example_batch(train, val, image, samples=1):
+def example_batch(train: "Union[Dataset, ShardSet]", val: "Union[Dataset, ShardSet]", image: Sequence[Optional[int]],
+                  samples: int = 1) -> Any:
     """The first `samples` training samples (as many as there are) collated into a batch, drawn from generators
     seeded for them and put back after, so a peek changes no later draw. A stream (tar shards) has no first sample
     to index: blank images of its size and class 0, which is what a shard's image collates to, or a user's samples
@@ -106,7 +129,8 @@ def example_batch(train, val, image, samples=1):
     return default_collate([SeededSamples(train)[(i, 0)] for i in range(min(samples, len(train)))])
 
 
-def _preprocessing(recorded, image, dc):
+def _preprocessing(recorded: Union[Preprocessing, Mapping[str, Any], None], image: Sequence[Optional[int]],
+                   dc: "DataConfig") -> Optional[Preprocessing]:
     """A factory's preprocessing: a Preprocessing (the data sets that ship) or a dict of its fields (a user's)."""
     if recorded is None or isinstance(recorded, Preprocessing):
         return recorded
@@ -117,7 +141,7 @@ def _preprocessing(recorded, image, dc):
                         f"give channels, image_size, mean, std and resize (stretch or center_crop)") from None
 
 
-def _worker_context(workers):
+def _worker_context(workers: int) -> Optional[str]:
     # forkserver: worker processes do not inherit the parent's threads and network state by fork, which some
     # InfiniBand and MPI stacks do not survive. Falls back to the platform default where it is missing.
     if workers == 0:
@@ -137,12 +161,15 @@ WORKER_MODULES = ("hvd_train.data", "torchvision.transforms", "torchvision.trans
                   "timm.data", "PIL.Image", "numpy")
 
 
-def _imported_by_main():
+def _imported_by_main() -> list[str]:
     main = sys.modules.get("__main__")
     return [v.__name__ for v in vars(main).values() if isinstance(v, types.ModuleType)] if main else []
 
 
-def build_loaders(train_set, val_set, spec, rank, world_size, train_sampler=None):
+def build_loaders(train_set: "Union[Dataset, ShardSet]", val_set: "Union[Dataset, ShardSet]", spec: LoaderSpec,
+                  rank: int, world_size: int, train_sampler: "Optional[Sampler[int]]" = None
+                  ) -> ("tuple[Union[DataLoader, shards.ShardLoader], Union[DataLoader, shards.ShardLoader], "
+                        "Union[Sampler[int], shards.ShardLoader]]"):
     """Training shards reshuffled each epoch (call train_sampler.set_epoch), validation shards with no repeats.
 
     train_sampler replaces the DistributedSampler (elastic runs pass Horovod's ElasticSampler). For tar shards
@@ -172,32 +199,36 @@ def build_loaders(train_set, val_set, spec, rank, world_size, train_sampler=None
     return train_loader, val_loader, train_sampler
 
 
-def decoded_where(train_set, val_set, spec):
+def decoded_where(train_set: "Dataset", val_set: "Dataset", spec: LoaderSpec
+                  ) -> "tuple[Dataset, Dataset, Optional[Callable[..., Any]]]":
     """(train, val, collate): the sets as they are, or with their photos left for the device to decode where
-    spec.decode says so (data/photos.py); data that are not photos are refused for "gpu"."""
+    spec.decode says so (data/images.py); data that are not photos are refused for "gpu"."""
     if spec.decode == "cpu":
         return train_set, val_set, None
-    views = photos.on_device(train_set), photos.on_device(val_set)
+    views = on_device(train_set), on_device(val_set)
     if None in views:
         if spec.decode == "gpu":
             refuse_gpu_decode("this data set's samples")
         return train_set, val_set, None
-    return views[0], views[1], photos.collate_encoded
+    return views[0], views[1], collate_encoded
 
 
-def refuse_gpu_decode(samples):
+def refuse_gpu_decode(samples: str) -> NoReturn:
     raise DataError(f"data.decode (--data.decode)=gpu decodes photos (image folders and their tar shards); {samples} "
                     f"are not photos: pass --data.decode cpu or auto")
 
 
-def shard_loaders(train_set, val_set, spec, rank, world_size):
+def shard_loaders(train_set: ShardSet, val_set: ShardSet, spec: LoaderSpec, rank: int,
+                  world_size: int) -> "tuple[shards.ShardLoader, shards.ShardLoader, shards.ShardLoader]":
     size = spec.image_size or train_set.facts.get("image_size")
     place = shards.Place(spec.seed, rank, world_size, spec.workers, spec.batch_size)
-    transforms = [shards.transform_for(split.facts, size, split.train, split.augment) for split in (train_set,
-                                                                                                    val_set)]
+    # The casts: a size that is None (the index states none) only for a user's samples, which take no transform; both
+    # splits' transforms are of one kind, from one index.
+    transforms = [shards.transform_for(split.facts, cast(int, size), split.train, split.augment) for split in (
+        train_set, val_set)]
     if spec.decode != "cpu":
-        if isinstance(transforms[0], photos.PhotoTransform):
-            transforms = [transform.on_device() for transform in transforms]
+        if isinstance(transforms[0], PhotoTransform):
+            transforms = [cast(PhotoTransform, transform).on_device() for transform in transforms]
         elif spec.decode == "gpu":
             refuse_gpu_decode(f"these shards of {train_set.facts.get('source', 'other samples')}")
     loaders = [shards.ShardLoader(split, spec, place, transform, _worker_context(spec.workers))
@@ -205,18 +236,19 @@ def shard_loaders(train_set, val_set, spec, rank, world_size):
     return loaders[0], loaders[1], loaders[0]
 
 
-def is_streamed(train_set):
-    return isinstance(train_set, shard_index.ShardSet)
+def is_streamed(train_set: object) -> "TypeGuard[ShardSet]":
+    return isinstance(train_set, ShardSet)
 
 
-def check_world(train_set, world_size, spec):
-    """Tar shards: every rank needs whole shards of its own and a full batch from them (data/shard_index.py)."""
-    shard_index.check_plan(train_set, world_size, spec.batch_size, spec.workers, seed=spec.seed)
+def check_world(train_set: ShardSet, world_size: int, spec: LoaderSpec) -> None:
+    """Tar shards: every rank needs whole shards of its own and a full batch from them (data/shards.py)."""
+    check_plan(train_set, world_size, spec.batch_size, spec.workers, seed=spec.seed)
 
 
-def continue_epoch(train_loader, position, rank, world_size):
+def continue_epoch(train_loader: "Union[DataLoader, shards.ShardLoader]", position: Mapping[str, Any], rank: int,
+                   world_size: int) -> tuple[str, bool]:
     """Make the training loader read the rest of an epoch that a checkpoint was taken within. position: the
-    checkpoint's (hvd_train/run/saves.py): epoch, steps done, world_size, samples_per_rank, workers. Returns a
+    checkpoint's (hvd_train/run/checkpoint.py): epoch, steps done, world_size, samples_per_rank, workers. Returns a
     sentence for the log, and whether the epoch continues (False: it starts over, for tar shards whose plan was
     made for another number of ranks, workers or batch size)."""
     epoch, steps = position["epoch"], position["steps"]
@@ -235,3 +267,55 @@ def continue_epoch(train_loader, position, rank, world_size):
         return f"epoch {epoch} continues after its step {steps}, each rank where it was", True
     return (f"epoch {epoch} continues after its step {steps}: the samples it had not trained, dealt out anew "
             f"among {world_size} rank(s) (none read twice)"), True
+
+
+def dataset_factory(name: str) -> Callable[..., Any]:
+    """The factory --dataset names: one that ships (data/catalog.py) or the user's package.module:name."""
+    return resolve(name, find_dataset, "--dataset", CHOICES)
+
+
+def dataset_settings(dc: "DataConfig", seed: int, augment: "Optional[Augmentation]" = None) -> dict[str, Any]:
+    """What a data set factory may name as parameters: the data.* settings (image_size only where it is set, so that
+    the factory's default, the data set's own size, applies otherwise), the run's seed and, for training, the
+    augmentation (a data.augment.Augmentation; without one the factory's default, none, applies)."""
+    settings = {f.name: getattr(dc, f.name) for f in dataclasses.fields(dc) if f.name not in ("dataset", "args")}
+    if not dc.image_size:
+        del settings["image_size"]
+    if augment is not None:
+        settings["augment"] = augment
+    return {**settings, "seed": seed}
+
+
+def build_datasets(dc: "DataConfig", seed: int = 0, augment: "Optional[Augmentation]" = None
+                   ) -> "tuple[Union[Dataset, ShardSet], Union[Dataset, ShardSet], DataInfo]":
+    """The factory --dataset names, called with the settings it names and --data-args; it returns (train, val) or
+    (train, val, facts), val None for the app's split. augment: the training run's Augmentation (tools that read a
+    data set, such as hvd-train shard, pass none and get the samples as they are)."""
+    name, factory = dc.dataset, dataset_factory(dc.dataset)
+    kwargs = arguments(factory, dataset_settings(dc, seed, augment), dc.args, "--data-args", name)
+    # Every rank makes the same data: a factory that draws from Python's, NumPy's or torch's global generator
+    # draws from them seeded with the shared seed, not each rank's own (seed + rank), which continues after it.
+    with seeded(seed):
+        made = factory(**kwargs)
+    if not isinstance(made, (tuple, list)) or len(made) not in (2, 3) or \
+            (len(made) == 3 and not isinstance(made[2], dict)):
+        raise ConfigError(f"--dataset={name!r}: the factory must return (train, val) or (train, val, facts) with "
+                          f"facts a dict such as {{'num_classes': 10}}; it returned {_describe(made)}")
+    for split, dataset in zip(("training", "validation"), made[:2]):
+        if (split == "validation" and dataset is None) or is_streamed(dataset):
+            continue  # the app splits the training set; tar shards are planned by data/shards.py
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or \
+                not hasattr(dataset, "__getitem__"):
+            raise ConfigError(f"--dataset={name!r}: the {split} set ({type(dataset).__name__}) has no __len__ and "
+                              f"__getitem__: hvd-train shards a data set by index (DistributedSampler), so it must "
+                              f"be map-style; wrap a stream in a map-style Dataset, or shard its files yourself")
+    where = f" in {dc.data_dir}" if takes(factory, "data_dir") else ""
+    train, val, info = datasets_from(made[0], made[1], made[2] if len(made) == 3 else {}, dc, where)
+    info.called_with = kwargs  # what the setup's data line shows (hvd_train/run/reports.py)
+    return train, val, info
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}: ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"

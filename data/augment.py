@@ -6,11 +6,11 @@ Kinds (which data set is which: data/catalog.py):
               side, horizontal flip (the augmentation of the published ResNet CIFAR results)
     digits    handwriting (MNIST, the digits): a small random rotation, shift and scale; never a flip (a flipped 2 is
               no digit)
-    photos    image folders and their tar shards: RandomResizedCrop and flip (data/photos.py)
+    photos    image folders and their tar shards: RandomResizedCrop and flip (data/images.py)
 Validation never augments. On top of the default (and like timm's train.py, never instead of the crop): --aa
 (timm's AutoAugment, RandAugment, AugMix and TrivialAugment specs) and --color-jitter on the uint8 images, through
 timm's own transforms; random erasing (--reprob, --remode) works on normalized images, so it happens where they are
-normalized, on the device (hvd_train/feed.py), seeded by the step.
+normalized, on the device (hvd_train/trainer.py), seeded by the step.
 
 Why the seeding: a DataLoader worker draws from its own generator, so which random crop a sample gets depends on the
 number of workers, which worker took the batch and, after a resume, on how far the workers' generators had got.
@@ -22,12 +22,19 @@ import contextlib
 import hashlib
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hvd_train.config.fields import check_policy_figures
+from hvd_train.config.schema import check_policy_figures
+
+if TYPE_CHECKING:
+    from PIL import Image
+    from torch.utils.data import Sampler
+
+    from hvd_train.config.schema import AugConfig
 
 KINDS = ("natural", "digits", "photos")
 
@@ -45,7 +52,7 @@ class Augmentation:
     recount: int = 1            # erased boxes at most per image
 
     @classmethod
-    def from_config(cls, aug_cfg):
+    def from_config(cls, aug_cfg: "AugConfig") -> "Augmentation":
         """The run's augmentation. torchvision makes the transforms; in an environment without it (an install into
         an existing torch, which may lack it: scripts/install.sh names what is missing) the samples go as they
         are, and describe() says why."""
@@ -53,14 +60,15 @@ class Augmentation:
                    aug_cfg.remode, aug_cfg.recount)
 
     @property
-    def extra(self):
+    def extra(self) -> bool:
         """Whether anything beyond the default crop and flip is asked for (timm's policies, jitter or erasing)."""
         return bool(self.aa or self.color_jitter or self.reprob)
 
-    def tensor_transform(self, kind, size, mean, std):
+    def tensor_transform(self, kind: str, size: int, mean: Sequence[float],
+                         std: Sequence[float]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         """For uint8 images (C, H, W): the kind's geometric default, then timm's policies; None where augmentation
         is off. Normalization and random erasing (which works on normalized images) follow on the device
-        (hvd_train/feed.py)."""
+        (hvd_train/trainer.py)."""
         if not self.enabled:
             return None
         from torchvision.transforms import v2 as T
@@ -76,7 +84,7 @@ class Augmentation:
             steps.append(ThroughPIL(policy))
         return T.Compose(steps)
 
-    def pil_policy(self, size, mean):
+    def pil_policy(self, size: int, mean: Sequence[float]) -> Optional[Callable[["Image.Image"], "Image.Image"]]:
         """timm's policy (--aa) and colour jitter on a PIL image, or None where neither is asked for."""
         from torchvision import transforms as T
 
@@ -87,7 +95,7 @@ class Augmentation:
             steps.append(auto_augment(self.aa, size, mean))
         return T.Compose(steps) if steps else None
 
-    def erasing(self):
+    def erasing(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         """timm's RandomErasing for a normalized (C, H, W) tensor, or None."""
         if not (self.enabled and self.reprob):
             return None
@@ -95,7 +103,7 @@ class Augmentation:
 
         return RandomErasing(self.reprob, mode=self.remode, max_count=self.recount, device="cpu")
 
-    def describe(self, kind):
+    def describe(self, kind: str) -> str:
         """One line for the log and the summary: what training samples go through."""
         if not self.enabled:
             return "off (--no-aug)" if torchvision_installed() else "off (torchvision is not installed: pip install " \
@@ -108,13 +116,13 @@ class Augmentation:
         return ", ".join([base] + [e for e in extras if e])
 
 
-def torchvision_installed():
+def torchvision_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("torchvision") is not None
 
 
-def auto_augment(spec, size, mean):
+def auto_augment(spec: str, size: int, mean: Sequence[float]) -> Callable[["Image.Image"], "Image.Image"]:
     """timm's policy for a spec string, chosen as timm's transforms factory chooses it."""
     from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
 
@@ -132,7 +140,7 @@ def auto_augment(spec, size, mean):
                          f"rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, original or v0") from None
 
 
-def posterize(img, bits_to_keep, **_):
+def posterize(img: "Image.Image", bits_to_keep: int, **_: Any) -> "Image.Image":
     """timm's Posterize op as Pillow before 10 ran it: timm's ops reach 0 bits at full magnitude (RandAugment's
     "inc1" policies), which gave a black image and which Pillow 10 and later refuse with a ValueError."""
     from PIL import ImageOps
@@ -144,7 +152,7 @@ def posterize(img, bits_to_keep, **_):
     return ImageOps.posterize(img, bits_to_keep)
 
 
-def fix_posterize():
+def fix_posterize() -> None:
     """Give timm's policies the posterize above (before they are built: each op looks its function up then)."""
     from timm.data import auto_augment
 
@@ -153,7 +161,7 @@ def fix_posterize():
             auto_augment.NAME_TO_OP[name] = posterize
 
 
-def check_policy(spec):
+def check_policy(spec: str) -> None:
     """Refuse an --aa spec timm cannot build, or whose figures pass their bounds, before any rank starts."""
     if not spec:
         return
@@ -161,7 +169,7 @@ def check_policy(spec):
     auto_augment(spec, 32, (0.5, 0.5, 0.5))
 
 
-def _three(mean):
+def _three(mean: Sequence[float]) -> tuple[float, ...]:
     mean = tuple(mean)
     return mean * 3 if len(mean) == 1 else mean[:3]
 
@@ -170,10 +178,10 @@ class ThroughPIL:
     """A PIL transform (timm's policies) applied to a uint8 (C, H, W) image, or a float one in [0, 1]; grey images
     are given three channels for it and made grey again."""
 
-    def __init__(self, transform):
+    def __init__(self, transform: Callable[["Image.Image"], "Image.Image"]) -> None:
         self.transform = transform
 
-    def __call__(self, image):
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
         from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 
         grey, floats = image.shape[0] == 1, image.is_floating_point()  # floats: in [0, 1] (the digits)
@@ -183,14 +191,14 @@ class ThroughPIL:
         return out.float() / 255.0 if floats else out
 
 
-def derived_seed(*parts, size=8):
+def derived_seed(*parts: object, size: int = 8) -> int:
     """A seed made from `parts` (the run's seed, an epoch, a sample or a step, ...) by a hash, so neighbouring
     parts give unrelated streams: `size` bytes of it (4 for NumPy, whose seeds are below 2**32), below 2**63."""
     digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=size).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def sample_seed(seed, epoch, index):
+def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The seed of one sample's transforms in one epoch."""
     return derived_seed(seed, epoch, index)
 
@@ -200,24 +208,25 @@ class SeededBatches:
     the seed from the run's seed, the sampler's current epoch and the index. Read by SeededSamples. drop_last:
     the last batch is left out when it is incomplete (the sampler gives every rank as many samples, so every rank
     still runs as many steps)."""
+    rest: Optional[tuple[int, list[int]]]
 
-    def __init__(self, sampler, batch_size, seed, drop_last=False):
+    def __init__(self, sampler: "Sampler[int]", batch_size: int, seed: int, drop_last: bool = False) -> None:
         self.sampler, self.batch_size, self.seed, self.drop_last = sampler, batch_size, seed, drop_last
         self.rest = None  # (epoch, indices): what a run resumed within `epoch` reads of it (resume())
 
-    def resume(self, epoch, indices):
+    def resume(self, epoch: int, indices: Iterable[int]) -> None:
         """Epoch `epoch` reads `indices` (this rank's rest of an epoch a run was checkpointed in) instead of the
         sampler's whole shard; later epochs read the sampler's again. The batches left out are never made, so
         their samples are neither loaded nor transformed."""
         self.rest = (epoch, list(indices))
 
-    def _indices(self):
+    def _indices(self) -> tuple[int, Union["Sampler[int]", list[int]]]:
         epoch = getattr(self.sampler, "epoch", 0)  # DistributedSampler's and Horovod's ElasticSampler's
         if self.rest is not None and self.rest[0] == epoch:
             return epoch, self.rest[1]
         return epoch, self.sampler
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch, indices = self._indices()
         batch = []
         for index in indices:
@@ -228,7 +237,7 @@ class SeededBatches:
         if batch and not self.drop_last:
             yield batch
 
-    def __len__(self):
+    def __len__(self) -> int:
         count = len(self._indices()[1])
         if self.drop_last:
             return count // self.batch_size
@@ -240,13 +249,13 @@ class SeededSamples(Dataset):
     `seed` (the transforms of torchvision and timm use all three). In the training process itself (no loader
     workers) the generators are put back afterwards, so dropout and mixup draw as they would without it."""
 
-    def __init__(self, dataset):
+    def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: Union[int, tuple[int, int]]) -> Any:
         if not isinstance(key, tuple):  # plain index (a peek at a sample outside the loader)
             return self.dataset[key]
         index, seed = key
@@ -258,7 +267,7 @@ class SeededSamples(Dataset):
 
 
 @contextlib.contextmanager
-def generators_kept():
+def generators_kept() -> Iterator[None]:
     """Python's, NumPy's and torch's CPU generators as they were before the block, whatever it draws."""
     python, numpy = random.getstate(), np.random.get_state()
     try:
@@ -270,14 +279,14 @@ def generators_kept():
 
 
 @contextlib.contextmanager
-def seeded(seed):
+def seeded(seed: int) -> Iterator[None]:
     """The block draws from every generator seed_all seeds, seeded with `seed`; they are put back after."""
     with generators_kept():
         seed_all(seed)
         yield
 
 
-def seed_all(seed):
+def seed_all(seed: int) -> None:
     """Seed torch's CPU generator, Python's and NumPy's (NumPy's takes 32 bits) from one seed: the generators the
     transforms draw from. Not torch.manual_seed, which also queues a seed for every GPU, with a traceback of the
     call, until CUDA starts: a millisecond a sample, most of the time of a small image's transforms."""

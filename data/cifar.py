@@ -11,14 +11,14 @@ The pickles are read by an unpickler that builds numpy arrays and nothing else, 
 import os
 import pickle
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from hvd_train.data.arrays import ImageTensorDataset
-from hvd_train.data.download import fetch
-from hvd_train.data.errors import DataError
-from hvd_train.data.layouts import Layout, locate
+from hvd_train.data.download import Layout, fetch, locate
+from hvd_train.errors import DataError
 
 PIXELS = 3 * 32 * 32
 
@@ -59,13 +59,13 @@ class ArraysOnly(pickle.Unpickler):
     ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
                ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(f"refusing {module}.{name}: a CIFAR batch holds only arrays and lists")
         return super().find_class(module, name)
 
 
-def read_python_batch(path, spec):
+def read_python_batch(path: str, spec: Cifar) -> tuple[np.ndarray, np.ndarray]:
     try:
         with open(path, "rb") as f:
             batch = ArraysOnly(f, encoding="latin1").load()  # latin1: the files were pickled by Python 2
@@ -88,7 +88,7 @@ def read_python_batch(path, spec):
     return data, labels
 
 
-def read_binary_batch(path, spec):
+def read_binary_batch(path: str, spec: Cifar) -> tuple[np.ndarray, np.ndarray]:
     record = spec.label_bytes + PIXELS
     data = np.fromfile(path, dtype=np.uint8)
     if data.size == 0 or data.size % record:
@@ -98,7 +98,7 @@ def read_binary_batch(path, spec):
     return records[:, spec.label_bytes:], records[:, spec.label_bytes - 1].astype(np.int64)
 
 
-def to_dataset(batches, spec, image_size):
+def to_dataset(batches: Sequence[tuple[np.ndarray, np.ndarray]], spec: Cifar, image_size: int) -> ImageTensorDataset:
     pixels = np.concatenate([b[0] for b in batches])
     labels = np.concatenate([b[1] for b in batches])
     if labels.min() < 0 or labels.max() >= spec.classes:
@@ -107,7 +107,7 @@ def to_dataset(batches, spec, image_size):
     return ImageTensorDataset(images, torch.from_numpy(labels), image_size=image_size, mean=spec.mean, std=spec.std)
 
 
-def load(spec, data_dir, image_size=0):
+def load(spec: Cifar, data_dir: str, image_size: int = 0) -> list[ImageTensorDataset]:
     """(train, test) from whichever version is under data_dir (python first: it is what torchvision downloads)."""
     paths = locate(spec.title, data_dir, (spec.python, spec.binary), how_to_get(spec, data_dir))
     binary = all(p.endswith(".bin") for p in paths.values())
@@ -117,11 +117,11 @@ def load(spec, data_dir, image_size=0):
     return [to_dataset([read(paths[n], spec) for n in split], spec, image_size) for split in (train_names, test_names)]
 
 
-def how_to_get(spec, data_dir):
+def how_to_get(spec: Cifar, data_dir: str) -> str:
     return (f"Run once with --download (needs internet), or extract {os.path.basename(spec.url)} (the python "
             f"version, torchvision's) or the binary version into {data_dir}")
 
 
-def download(spec, data_dir):
+def download(spec: Cifar, data_dir: str) -> None:
     by_hand = f"download it elsewhere and extract it into {data_dir} (it makes {spec.python.folder}/)"
     fetch(spec.title, [spec.url], data_dir, by_hand, spec.md5)

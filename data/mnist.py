@@ -13,9 +13,8 @@ import numpy as np
 import torch
 
 from hvd_train.data.arrays import ImageTensorDataset
-from hvd_train.data.download import fetch
-from hvd_train.data.errors import DataError
-from hvd_train.data.layouts import Layout, locate
+from hvd_train.data.download import Layout, fetch, locate
+from hvd_train.errors import DataError
 
 FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
@@ -35,7 +34,7 @@ FASHION_MNIST = Idx("Fashion-MNIST", "FashionMNIST", "FashionMNIST",
                      "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/"))
 
 
-def layouts(spec):
+def layouts(spec: Idx) -> tuple[Layout, Layout]:
     return (Layout(os.path.join(spec.folder, "raw"), FILES, "torchvision's download", gzip_ok=True),
             Layout("", FILES, "the files as published", gzip_ok=True))
 
@@ -43,7 +42,7 @@ def layouts(spec):
 MAX_BYTES = 2**31  # the largest IDX payload read (MNIST's training images are 47 MB)
 
 
-def read_idx(path, dims):
+def read_idx(path: str, dims: int) -> np.ndarray:
     """The uint8 array in an IDX file with `dims` dimensions (.gz read as gzip). The header is read and checked
     first, and then exactly the bytes it announces: a small .gz that would unpack to gigabytes is refused."""
     opener = gzip.open if path.endswith(".gz") else open
@@ -69,7 +68,7 @@ def read_idx(path, dims):
     return np.frombuffer(raw, dtype=np.uint8).reshape(shape)
 
 
-def load(spec, data_dir, image_size=0):
+def load(spec: Idx, data_dir: str, image_size: int = 0) -> list[ImageTensorDataset]:
     paths = locate(spec.title, data_dir, layouts(spec),
                    f"Run once with --download (needs internet), or put the four IDX files in {data_dir}")
     splits = []
@@ -84,7 +83,7 @@ def load(spec, data_dir, image_size=0):
     return splits
 
 
-def download(spec, data_dir):
+def download(spec: Idx, data_dir: str) -> None:
     """The four .gz files, each checked against the checksum torchvision publishes, from HTTPS mirrors only."""
     from torchvision import datasets
 

@@ -7,9 +7,8 @@ import numpy as np
 import torch
 
 from hvd_train.data.arrays import ImageTensorDataset
-from hvd_train.data.download import fetch
-from hvd_train.data.errors import DataError
-from hvd_train.data.layouts import Layout, locate
+from hvd_train.data.download import Layout, fetch, locate
+from hvd_train.errors import DataError
 
 URL = "https://ai.stanford.edu/~acoates/stl10/stl10_binary.tar.gz"
 MD5 = "91f7769df0f17e558f3565bffb0c7dfb"  # the checksum torchvision publishes for it
@@ -19,12 +18,12 @@ LAYOUT = Layout(FOLDER, ("train_X.bin", "train_y.bin", "test_X.bin", "test_y.bin
 MEAN, STD = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
 
 
-def download(data_dir):
+def download(data_dir: str) -> None:
     fetch("STL-10", [URL], data_dir, f"download it elsewhere and extract it into {data_dir} (it makes {FOLDER}/)",
           MD5)
 
 
-def read_split(paths, split):
+def read_split(paths: dict[str, str], split: str) -> tuple[torch.Tensor, torch.Tensor]:
     x_path, y_path = paths[f"{split}_X.bin"], paths[f"{split}_y.bin"]
     pixels = np.fromfile(x_path, dtype=np.uint8)
     labels = np.fromfile(y_path, dtype=np.uint8).astype(np.int64) - 1
@@ -38,7 +37,7 @@ def read_split(paths, split):
     return images, torch.from_numpy(labels)
 
 
-def load(data_dir, image_size=0):
+def load(data_dir: str, image_size: int = 0) -> list[ImageTensorDataset]:
     paths = locate("STL-10", data_dir, (LAYOUT,),
                    f"Run once with --download (needs internet), or extract {URL} into {data_dir}")
     return [ImageTensorDataset(*read_split(paths, split), image_size=image_size, mean=MEAN, std=STD)

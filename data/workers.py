@@ -22,40 +22,46 @@ whose parent is gone: the server must outlive a stop signal too. It imports this
 them from then on; it ends when the training process does (multiprocessing closes its pipe).
 """
 import functools
-from multiprocessing import resource_sharer
 import os
 import signal
 import sys
 import threading
+from multiprocessing import resource_sharer
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from types import FrameType, TracebackType
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
 
 
-def stop_signals_from(owner):
+def stop_signals_from(owner: int) -> Callable[[int], None]:
     """A DataLoader worker_init_fn for the loaders of process `owner` (os.getpid() of the training process; under
     the forkserver context a worker's parent is the server, not it)."""
     return functools.partial(_take_stop_signals, owner)
 
 
-def _take_stop_signals(owner, _worker_id=None):
+def _take_stop_signals(owner: int, _worker_id: Optional[int] = None) -> None:
     # Blocked on this thread before any other starts: the threads started later (the waiter, any the data set
     # starts) inherit the mask, so only the waiter ever takes these signals.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    # A stack request (SIGUSR2, hvd_train/guards/stacks.py) is for the training process: a worker that a
+    # A stack request (SIGUSR2, hvd_train/guards/watchdog.py) is for the training process: a worker that a
     # `pkill -USR2` reaches too neither dies of it nor writes its stacks into its owner's pipe (inherited by fork).
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     threading.Thread(target=_wait_for_stop_signals, args=(owner,), name="stop-signals", daemon=True).start()
     sys.excepthook = _quiet_when_the_reader_leaves(sys.excepthook)
 
 
-def _wait_for_stop_signals(owner):
+def _wait_for_stop_signals(owner: int) -> None:
     while True:
         info = signal.sigwaitinfo(STOP_SIGNALS)
         if info.si_pid in (owner, os.getppid()):  # ended by the process that runs it: at once, as torch's handler
             os._exit(0)
 
 
-def _quiet_when_the_reader_leaves(hook):
+def _quiet_when_the_reader_leaves(
+        hook: "Callable[[type[BaseException], BaseException, Optional[TracebackType]], Any]"
+) -> "Callable[[type[BaseException], BaseException, Optional[TracebackType]], Any]":
     def excepthook(kind, value, tb):
         # _serve catches whatever ends a request and hands it to sys.excepthook, so the traceback's first frame is it
         lost_reader = issubclass(kind, (ConnectionError, EOFError))
@@ -65,8 +71,8 @@ def _quiet_when_the_reader_leaves(hook):
     return excepthook
 
 
-def _imported_by_a_forkserver():
-    frame = sys._getframe(1)
+def _imported_by_a_forkserver() -> bool:
+    frame: "Optional[FrameType]" = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "main" and frame.f_globals.get("__name__") == "multiprocessing.forkserver":
             return True

@@ -25,7 +25,7 @@ from validate import HostListError, parse, read_lines
 DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hosts.txt")
 
 
-def check_owner(path):
+def check_owner(path: str) -> None:
     """The host list decides which machines the job's ranks run on (and so ssh to): refused when a user other than
     this one (or root) owns it, or when anyone may write it."""
     try:
@@ -40,7 +40,7 @@ def check_owner(path):
                             f"decides where the job runs; use a host list of your own")
 
 
-def from_file(path):
+def from_file(path: str) -> list[tuple[str, int]]:
     check_owner(path)
     hosts, errors = parse(read_lines(path), live=True)
     if errors:
@@ -49,7 +49,7 @@ def from_file(path):
     return hosts
 
 
-def current_hosts():
+def current_hosts() -> list[tuple[str, int]]:
     """The hosts of the first source there is; a file named by $HVD_HOSTS_FILE must be there."""
     path = os.environ.get("HVD_HOSTS_FILE")
     if path and not os.path.exists(path):
@@ -60,7 +60,7 @@ def current_hosts():
     return slurm_hosts(fix="list the hosts in $HVD_HOSTS_FILE instead")
 
 
-def main():
+def main() -> None:
     try:
         hosts = current_hosts()
     except (HostListError, AllocationError) as e:

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from typing import Optional, Sequence
 
 from validate import HostListError, read_lines
 
@@ -26,7 +27,8 @@ class AllocationError(Exception):
     """The allocation the scheduler describes cannot be read; the message names the value and the fix."""
 
 
-def slurm_hosts(slots=None, fix="pass --slots N to give the slots per host"):
+def slurm_hosts(slots: Optional[int] = None, fix: str = "pass --slots N to give the slots per host"
+                ) -> list[tuple[str, int]]:
     """[(host, slots)] of the SLURM job this runs in; [] outside one. `fix` ends the messages about a task count
     (how the caller's user can give the slots instead)."""
     nodelist = os.environ.get("SLURM_JOB_NODELIST")
@@ -37,7 +39,7 @@ def slurm_hosts(slots=None, fix="pass --slots N to give the slots per host"):
     return list(zip(names, per_node))
 
 
-def slurm_node_names(nodelist):
+def slurm_node_names(nodelist: str) -> list[str]:
     """The nodes of a SLURM node list (gpu[01-02]: gpu01, gpu02), as `scontrol show hostnames` expands it."""
     where = f"$SLURM_JOB_NODELIST={nodelist!r}"
     try:
@@ -57,7 +59,7 @@ def slurm_node_names(nodelist):
     return names
 
 
-def slurm_slots(count, nodelist, fix):
+def slurm_slots(count: int, nodelist: str, fix: str) -> list[int]:
     """The slots of each of `count` nodes: $SLURM_NTASKS_PER_NODE (--ntasks-per-node, the same on every node),
     else $SLURM_TASKS_PER_NODE (always set, one count per node in node order), else 1."""
     variable = next((v for v in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if os.environ.get(v)), None)
@@ -74,7 +76,7 @@ def slurm_slots(count, nodelist, fix):
     return per_node
 
 
-def expand_counts(variable, value, fix):
+def expand_counts(variable: str, value: str, fix: str) -> list[int]:
     """SLURM's compressed per-node counts, one per node: '2(x2),1' is [2, 2, 1]."""
     counts = []
     for group in value.split(","):
@@ -86,7 +88,7 @@ def expand_counts(variable, value, fix):
     return counts
 
 
-def pbs_hosts(slots=None):
+def pbs_hosts(slots: Optional[int] = None) -> list[tuple[str, int]]:
     """[(host, slots)] from $PBS_NODEFILE, which lists each host once per slot; [] outside a PBS job."""
     path = os.environ.get("PBS_NODEFILE")
     if not path:
@@ -98,7 +100,7 @@ def pbs_hosts(slots=None):
     return [(host, slots or n) for host, n in counts.items()]
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("scheduler", choices=("slurm", "pbs"))
     parser.add_argument("--format", choices=("hostfile", "hosts"), default="hostfile",

@@ -10,6 +10,7 @@ import re
 import shlex
 import socket
 import sys
+from typing import Iterable, Optional, Sequence
 
 # A host name or IPv4/IPv6 address: letters, digits, dots, dashes, underscores, colons (IPv6), brackets.
 HOST = re.compile(r"^[A-Za-z0-9_.\-:\[\]]+$")
@@ -21,7 +22,7 @@ class HostListError(Exception):
     """A host list that cannot be read at all; the message names the file and the reason."""
 
 
-def read_lines(path, name=None):
+def read_lines(path: str, name: Optional[str] = None) -> list[str]:
     """The lines of the file at `path`, split at LF only, so that a Windows CR stays visible (open() in text mode
     would drop it). `name` is what messages call the file (default: its path)."""
     name = name or path
@@ -38,7 +39,7 @@ def read_lines(path, name=None):
                             f"names and addresses; save it as plain text") from None
 
 
-def windows_line_ending(path, lines):
+def windows_line_ending(path: str, lines: Iterable[str]) -> Optional[tuple[int, str]]:
     """(line number, message) for the first line holding a carriage return (a file saved on Windows), or None.
     mpirun -hostfile stops there with an ORTE parse error, so a hostfile must have none. parse() itself reads a CR
     as blank space, so that a live host list saved on Windows still works: Horovod sees only discover_hosts.py's
@@ -51,7 +52,7 @@ def windows_line_ending(path, lines):
     return None
 
 
-def parse(lines, live=False):
+def parse(lines: Iterable[str], live: bool = False) -> tuple[list[tuple[str, int]], list[tuple[int, str]]]:
     """(hosts as [(host, slots)], errors as [(line number, message)]): the one reader of host lists.
 
     A hostfile (live=False) is what horovodrun -hostfile and mpirun -hostfile read: every line `HOST slots=N`.
@@ -59,6 +60,7 @@ def parse(lines, live=False):
     and a bare `HOST` (one slot), and `slots=0` there drains the host (it is left out). Either way a host is listed
     once, compared without case as mpirun resolves names (it refuses a hostfile that repeats a host).
     """
+    seen: dict[str, tuple[int, str]]
     hosts, errors, seen = [], [], {}
     for number, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()
@@ -118,7 +120,7 @@ def parse(lines, live=False):
 RESOLVE_WAIT_S = 10  # for all names together: a resolver that does not answer must not hold the check up
 
 
-def resolve(host):
+def resolve(host: str) -> Optional[str]:
     try:
         socket.getaddrinfo(host.strip("[]"), None)
         return None
@@ -126,7 +128,7 @@ def resolve(host):
         return getattr(e, "strerror", None) or str(e)
 
 
-def unresolved(hosts, lines):
+def unresolved(hosts: Sequence[tuple[str, int]], lines: Sequence[str]) -> list[tuple[int, str]]:
     """(line number, message) for each host name this machine cannot resolve (mpirun would stop at it)."""
     from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -145,7 +147,7 @@ def unresolved(hosts, lines):
     return found
 
 
-def main(argv):
+def main(argv: Sequence[str]) -> int:
     strict = "--strict" in argv
     argv = [a for a in argv if a != "--strict"]
     if len(argv) != 1:

@@ -11,18 +11,24 @@ watchdog, reports) around objects a user's own script made, for users who keep t
                                  facts={"num_classes": 10}))
 
 Every setting comes from the command line (or --config), as for train_hvd.py. The objects become the run's model,
-data sets and task through the same mechanism as --model package.module:name (hvd_train/plugins.py), named after
+data sets and task through the same mechanism as --model package.module:name (hvd_train/registry.py), named after
 their classes (`__main__:MyNet`): checkpoints record those names, so a resume with other objects is refused.
 """
 import inspect
 import sys
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
-from hvd_train import plugins
+from hvd_train.registry import PROVIDED
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
 
 
-def train(model=None, train_set=None, val_set=None, task=None, facts=None, argv=None):
+def train(model: Union[nn.Module, Callable[..., nn.Module], None] = None, train_set: "Optional[Dataset]" = None,
+          val_set: "Optional[Dataset]" = None, task: object = None, facts: Optional[Mapping[str, Any]] = None,
+          argv: Optional[Sequence[str]] = None) -> int:
     """Train `model` (an nn.Module, or a factory called with the data's facts it names) on `train_set` (and
     `val_set`; None: the app's split of train_set) with `task` (an instance or a class of the task interface,
     hvd_train/tasks.py), under the settings of `argv` (default: the command line). Each argument left out keeps
@@ -42,9 +48,9 @@ def train(model=None, train_set=None, val_set=None, task=None, facts=None, argv=
     return app.guarded(lambda: app.recipe_main()(args))
 
 
-def _provide(obj, factory):
+def _provide(obj: object, factory: Callable[..., Any]) -> str:
     """Register `factory` under the name of obj's class (or of obj, a class or function); returns the name."""
     named = obj if inspect.isclass(obj) or inspect.isfunction(obj) else type(obj)
     name = f"{named.__module__}:{named.__qualname__}"
-    plugins.PROVIDED[name] = factory
+    PROVIDED[name] = factory
     return name

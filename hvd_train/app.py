@@ -11,18 +11,33 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Sequence, cast
 
 import hvd_utils
-from hvd_train.guards import interrupt, stacks
-from hvd_train.checks import check_choices
 from hvd_train.config import parse_config
 from hvd_train.data import BadSampleError, DataError
-from hvd_train.errors import (EXIT_BAD_DATA, EXIT_DIVERGED, EXIT_REFUSED, CheckpointError, ConfigError,
-                              NonFiniteLossError, say)
-from hvd_train.run.checkpoint import seed_generators
+from hvd_train.errors import (
+    EXIT_BAD_DATA,
+    EXIT_DIVERGED,
+    EXIT_REFUSED,
+    CheckpointError,
+    ConfigError,
+    NonFiniteLossError,
+    say,
+)
 from hvd_train.files import keep_private
+from hvd_train.guards import interrupt
+from hvd_train.guards.watchdog import install_stack_dumps
+from hvd_train.run.checkpoint import seed_generators
 from hvd_train.run.directory import check_writable
-from hvd_utils.elastic import under_elastic_launcher
+from hvd_train.training import check_choices
+from hvd_utils.runtime import under_elastic_launcher
+
+if TYPE_CHECKING:
+    from importlib.abc import Loader
+    from importlib.machinery import ModuleSpec
+
+    from hvd_train.config import Config
 
 log = logging.getLogger("hvd_train")
 
@@ -38,7 +53,7 @@ SUBCOMMANDS = {
 }
 
 
-def cli(train=None):
+def cli(train: Optional[Callable[[], int]] = None) -> NoReturn:
     """`hvd-train [SUBCOMMAND] ...` and `python train_hvd.py ...`: a subcommand, or a training run of `train`
     (the recipe's main; by default the app's own train_hvd.py, recipe_main). Exits with the code."""
     keep_private()  # files this process writes: owner and group only (hvd_train/files.py)
@@ -54,7 +69,7 @@ def cli(train=None):
 RECIPE = Path(__file__).resolve().parent.parent / "train_hvd.py"
 
 
-def recipe_main():
+def recipe_main() -> Callable[..., int]:
     """The recipe's main, from the app's own train_hvd.py: never a module of the user's that is named train_hvd
     and comes first on the module search path (a user's copy of the recipe, beside the script they launch)."""
     loaded = sys.modules.get("train_hvd")
@@ -64,19 +79,19 @@ def recipe_main():
     name = "train_hvd" if loaded is None else "hvd_train._recipe"
     if name in sys.modules:
         return sys.modules[name].main
-    spec = importlib.util.spec_from_file_location(name, RECIPE)
+    spec = cast("ModuleSpec", importlib.util.spec_from_file_location(name, RECIPE))  # a .py file: always a spec
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    cast("Loader", spec.loader).exec_module(module)
     return module.main
 
 
-def configure(argv=None, cfg=None):
+def configure(argv: Optional[Sequence[str]] = None, cfg: "Optional[Config]" = None) -> "Config":
     """The run's settings (argv: the command line by default), checked before Horovod starts; the process's
     debugging aids switched on."""
     # `kill -USR2 <pid>` of a rank prints all its threads' Python stacks (while training on a fixed set of ranks,
-    # every rank's: guards/stacks.py): where a job is waiting.
-    stacks.install()
+    # every rank's: guards/watchdog.py): where a job is waiting.
+    install_stack_dumps()
     keep_private()
     cfg = cfg or parse_config(argv)
     check_choices(cfg)
@@ -88,18 +103,18 @@ def configure(argv=None, cfg=None):
     return cfg
 
 
-def watched(cfg):
+def watched(cfg: "Config") -> bool:
     """Whether a watchdog names a frozen rank: training on a fixed set of ranks."""
     return bool(not (cfg.horovod.elastic or cfg.benchmark.enabled or cfg.run.evaluate) and cfg.run.freeze_timeout_s)
 
 
-def gloo_timeout_s(cfg):
+def gloo_timeout_s(cfg: "Config") -> float:
     """How long a Gloo collective waits for a peer: under the watchdog longer than it, so that Gloo's own timeout
     (30 s) does not end the job first, blaming the ranks that waited; else Horovod's default."""
     return cfg.run.freeze_timeout_s + 60 if watched(cfg) else 0
 
 
-def settle(cfg, rt):
+def prepare_rank(cfg: "Config", rt: hvd_utils.Runtime) -> None:
     """After Horovod started: rank 0 alone speaks, Ctrl-C and SIGTERM say where the run stopped, each rank its own
     seed, and the output directory known to be writable before data and model are built."""
     # Only rank 0 speaks; the others report warnings and errors only.
@@ -127,7 +142,7 @@ def settle(cfg, rt):
         hvd_utils.decide_on_root(lambda: check_writable(cfg.run.output_dir), "output_dir_check")
 
 
-def warn_of_many_workers(workers, rt):
+def warn_of_many_workers(workers: int, rt: hvd_utils.Runtime) -> None:
     """More loader workers than this rank's share of the host's usable cores: said in one line by rank 0 (they
     only take turns on those cores, each with its own memory). torch's own warning of the same, a paragraph from
     each loader of each rank, is silenced: it fires only where this one does (above all the usable cores)."""
@@ -142,18 +157,18 @@ def warn_of_many_workers(workers, rt):
                     "is as many as run at once", workers, share, cores, rt.local_size, share)
 
 
-def measures(cfg):
+def is_measurement(cfg: "Config") -> bool:
     """Whether the run measures instead of training: --benchmark (images/s) or --evaluate (a checkpoint)."""
     return cfg.benchmark.enabled or cfg.run.evaluate
 
 
-def measure(cfg, rt):
+def run_measurement(cfg: "Config", rt: hvd_utils.Runtime) -> int:
     from hvd_train.modes import benchmark, evaluate
 
     return benchmark.run(cfg, rt) if cfg.benchmark.enabled else evaluate.run(cfg, rt)
 
 
-def leave_it_to_rank_0(error):
+def leave_it_to_rank_0(error: Exception) -> None:
     """A rank other than 0 refused its settings before Horovod started. Rank 0 has the same settings: it refuses
     them too, says why, and exits, and the launcher then ends this rank. Exiting first instead would let the
     launcher end rank 0 before it has spoken. A rank still here after QUIET_RANK_WAIT_S failed alone (a recipe
@@ -162,7 +177,7 @@ def leave_it_to_rank_0(error):
     say(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: error: {error}")
 
 
-def refused(error):
+def refused(error: Exception) -> int:
     """A setting or a file refused (exit 2; 3: the training diverged), raised on every rank at the same point
     (checked on all, or sent from rank 0), so none waits on another; rank 0 alone says it. Before Horovod started,
     the ranks of a fixed job agree on it first (the others stop at the same point, in hvd_utils.start)."""
@@ -178,7 +193,7 @@ def refused(error):
     return EXIT_DIVERGED if isinstance(error, NonFiniteLossError) else EXIT_REFUSED
 
 
-def say_refusal(agreed):
+def say_refusal(agreed: hvd_utils.SettingsRefused) -> int:
     """Rank 0 says the refusal every rank agreed on, naming the rank that made it where that is not rank 0."""
     if hvd_utils.rank() == 0:
         where = f"rank {agreed.rank}: " if agreed.rank else ""
@@ -186,7 +201,7 @@ def say_refusal(agreed):
     return EXIT_REFUSED
 
 
-def guarded(run):
+def guarded(run: Callable[[], int]) -> int:
     """run() with every failure reported once, as the command line and hvd_train.train() do; returns the exit code."""
     code = 1
     try:
@@ -206,7 +221,7 @@ def guarded(run):
     except hvd_utils.PeerFailure:
         if interrupt.signalled():  # the signal reached another rank first, which ended the collective
             interrupt.report()
-            code = 128 + interrupt.signalled()
+            code = 128 + cast(int, interrupt.signalled())
         else:
             # This rank was waiting in a collective when another one failed: that rank reports the cause.
             say(f"train_hvd.py: rank {hvd_utils.launcher_rank()}: stopping because another rank failed (its error is "

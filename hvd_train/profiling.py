@@ -9,10 +9,15 @@ Horovod's timeline at the same steps, and rank 0 writes it. Both files are Chrom
 import logging
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 import hvd_utils
+
+if TYPE_CHECKING:
+    from hvd_train.config import Config
+    from hvd_utils.runtime import Runtime
 
 log = logging.getLogger("hvd_train")
 
@@ -20,7 +25,7 @@ log = logging.getLogger("hvd_train")
 class StepProfiler:
     """Counts training steps (step() after each) and records the window [start, start + steps)."""
 
-    def __init__(self, cfg, rt, directory):
+    def __init__(self, cfg: "Config", rt: "Runtime", directory: str) -> None:
         self.start, self.steps, self.directory = cfg.profile.start, cfg.profile.steps, directory
         self.count, self.is_main = 0, rt.is_main
         self.all_ranks = cfg.profile.ranks == "all"
@@ -50,7 +55,7 @@ class StepProfiler:
         if self.start == 0:
             self._timeline(True)
 
-    def step(self):
+    def step(self) -> None:
         """After every training step, on every rank."""
         self.count += 1
         if self.torch_profiler is not None and self.count <= self.start + self.steps:
@@ -61,7 +66,7 @@ class StepProfiler:
             self._timeline(False)
             self._report()
 
-    def close(self):
+    def close(self) -> None:
         """At the end of training: a window cut short is written as far as it got, and said so."""
         if self.count >= self.start + self.steps:
             return
@@ -76,7 +81,7 @@ class StepProfiler:
             log.warning("--profile: training ended after %d step(s), before the profiled ones (--profile-start %d): "
                         "nothing was recorded; lower --profile-start", self.count, self.start)
 
-    def _timeline(self, on):
+    def _timeline(self, on: bool) -> None:
         if self.timeline is None or self.users_timeline:
             return
         if on:
@@ -91,7 +96,7 @@ class StepProfiler:
         prof.export_chrome_trace(partial)
         os.replace(partial, self.trace)  # a trace is there whole or not at all
 
-    def _report(self):
+    def _report(self) -> None:
         if not self.is_main:
             return
         first, last = self.start + 1, min(self.count, self.start + self.steps)

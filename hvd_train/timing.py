@@ -17,10 +17,12 @@ its step time without its allreduce wait is the largest. That time, against the 
 """
 import statistics
 import time
+from typing import Any, Iterable, Optional
 
 import torch
 
-import hvd_utils
+from hvd_utils.comm import gather_objects
+from hvd_utils.runtime import host_name
 
 PHASES = ("data", "compute", "allreduce_wait", "optimizer", "other")
 DATA, COMPUTE, WAIT, OPTIMIZER, OTHER = range(len(PHASES))
@@ -43,18 +45,18 @@ class StepClock:
     """This rank's time per phase over one epoch's steps. mark(phase) gives the time since the previous mark to
     `phase`; begin() starts an epoch."""
 
-    def __init__(self, device=None, enabled=True):
+    def __init__(self, device: Optional[torch.device] = None, enabled: bool = True) -> None:
         self.enabled = enabled
         self.cuda = enabled and device is not None and device.type == "cuda" and torch.cuda.is_available()
         self.begin()
 
-    def begin(self):
+    def begin(self) -> None:
         self.seconds = [0.0] * len(PHASES)
         self.steps = 0
-        self.events = []  # CUDA: per step, the events at a batch in hand and after each ON_DEVICE phase
+        self.events: list[list] = []  # CUDA: per step, the events at a batch in hand and after each ON_DEVICE phase
         self.last = time.perf_counter()
 
-    def mark(self, phase):
+    def mark(self, phase: int) -> None:
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -68,12 +70,12 @@ class StepClock:
             elif self.events:
                 self.events[-1].append(event)
 
-    def step_done(self):
+    def step_done(self) -> None:
         if self.enabled:
             self.mark(OTHER)
             self.steps += 1
 
-    def totals(self):
+    def totals(self) -> list[float]:
         """Seconds per phase over the epoch's steps so far (on a GPU, the device's share from its events)."""
         seconds = list(self.seconds)
         complete = [e for e in self.events if len(e) == 1 + len(ON_DEVICE)]
@@ -87,29 +89,29 @@ class StepClock:
         return seconds
 
 
-def gather(clock):
+def gather(clock: StepClock) -> list[dict[str, Any]]:
     """Every rank's totals of the epoch (a collective: every rank calls it at the same point), as
     [{"rank", "host", <phase>: seconds per step, "steps"}] in rank order."""
-    mine = {"host": hvd_utils.host_name(), "seconds": clock.totals(), "steps": clock.steps}
+    mine: dict[str, Any] = {"host": host_name(), "seconds": clock.totals(), "steps": clock.steps}
     ranks = []
-    for rank, theirs in enumerate(hvd_utils.gather_objects(mine, name="step_timing")):
+    for rank, theirs in enumerate(gather_objects(mine, name="step_timing")):
         steps = max(1, theirs["steps"])
         ranks.append({"rank": rank, "host": theirs["host"],
                       **{p: s / steps for p, s in zip(PHASES, theirs["seconds"])}, "steps": theirs["steps"]})
     return ranks
 
 
-def busy(rank):
+def busy(rank: dict[str, Any]) -> float:
     """A rank's step time without its allreduce wait: its own work."""
     return sum(rank[p] for p in BUSY)
 
 
-def slowest(acc):
+def slowest(acc: dict[str, Any]) -> dict[str, Any]:
     """The slowest rank's own entry of an account."""
     return next(r for r in acc["ranks"] if r["rank"] == acc["slowest"]["rank"])
 
 
-def account(ranks):
+def account(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """{"ranks": ranks, "slowest": {"rank", "host", "phase"}}: the rank whose own work per step is the largest,
     and its phase furthest above the median rank's."""
     slow = max(ranks, key=busy)
@@ -118,9 +120,9 @@ def account(ranks):
     return {"ranks": ranks, "slowest": {"rank": slow["rank"], "host": slow["host"], "phase": phase}}
 
 
-def over_run(accounts):
+def over_run(accounts: Iterable[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """The run's account from its epochs': each rank's seconds per step over all the steps it took."""
-    by_rank = {}
+    by_rank: dict[int, dict[str, Any]] = {}
     for acc in accounts:
         for r in acc["ranks"]:
             mine = by_rank.setdefault(r["rank"], {"rank": r["rank"], "host": r["host"], "steps": 0,
@@ -136,14 +138,14 @@ def over_run(accounts):
     return account(ranks) if ranks else None
 
 
-def compact(record):
+def compact(record: dict[str, Any]) -> dict[str, Any]:
     """An epoch's record as a checkpoint keeps it: its timing without the per-rank list (the slowest rank stays)."""
     if "ranks" not in record.get("timing", {}):
         return record
     return {**record, "timing": {"slowest": record["timing"]["slowest"]}}
 
 
-def split(ranks):
+def split(ranks: list[dict[str, Any]]) -> dict[str, float]:
     """The mean share of each phase in a step over the ranks: {phase: fraction}."""
     shares = {p: 0.0 for p in PHASES}
     for r in ranks:
@@ -153,14 +155,14 @@ def split(ranks):
     return shares
 
 
-def split_line(ranks):
+def split_line(ranks: list[dict[str, Any]]) -> str:
     """The epoch line's short split: data, compute, comm and the rest, in percent of a step (mean over ranks)."""
     s = split(ranks)
     return (f"data {s['data']:.0%} compute {s['compute']:.0%} comm {s['allreduce_wait']:.0%} "
             f"other {s['optimizer'] + s['other']:.0%}")
 
 
-def figures(acc):
+def figures(acc: dict[str, Any]) -> dict[str, float]:
     """Flat numbers for the trackers (MLflow, W&B, TensorBoard): the mean seconds per step of each phase and the
     slowest rank's own work per step."""
     ranks = acc["ranks"]
@@ -171,7 +173,7 @@ def figures(acc):
     return out
 
 
-def straggler(acc, pct):
+def straggler(acc: dict[str, Any], pct: float) -> Optional[str]:
     """The line naming a rank whose own work per step is more than pct% above the median rank's; None if none
     is, or where there is one rank."""
     ranks = acc["ranks"]
@@ -189,7 +191,7 @@ def straggler(acc, pct):
             f"it in the allreduce (it waits least: {slow['allreduce_wait']:.3f} s). Look at {ADVICE[phase]}")
 
 
-def comm_bound(acc):
+def comm_bound(acc: dict[str, Any]) -> Optional[str]:
     """The line saying the job is communication-bound: waiting for the allreduce is the largest phase on every
     rank; None otherwise."""
     ranks = acc["ranks"]

@@ -11,20 +11,24 @@ import os
 import pickle
 import zipfile
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from hvd_train.errors import ConfigError
-from hvd_train.gate import RecordError, plain
-from hvd_train.run.resume import unbounded_members
+from hvd_train.provenance import RecordError, plain
+from hvd_train.run.checkpoint import unbounded_members
+
+if TYPE_CHECKING:
+    from hvd_train.config import ModelConfig
 
 log = logging.getLogger("hvd_train")
 WRAPPERS = ("module.", "_orig_mod.")  # DistributedDataParallel's and torch.compile's prefixes
 SAFETENSORS_HEADER_MAX = 100_000_000  # safetensors' own bound on its JSON header, in bytes
 
 
-def safetensors_problem(path):
+def safetensors_problem(path: str) -> Optional[str]:
     """Why the file at `path` cannot be a whole safetensors file, from its first bytes (None: it may be one): it
     starts with the length of its JSON header (8 bytes, little-endian), which must fit in the file, then the
     header, a JSON object. Read before safetensors reads it, so a damaged or forged file is refused in one line."""
@@ -42,7 +46,7 @@ def safetensors_problem(path):
     return None
 
 
-def read_state_dict(path):
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
     """The tensors a weights file holds, by name."""
     if not os.path.isfile(path):
         raise ConfigError(f"--init-from {path}: no such file; give a local .pt, .pth or .safetensors file, or an "
@@ -75,7 +79,7 @@ def read_state_dict(path):
     except Exception as e:  # a damaged archive, a safetensors header that does not parse
         raise ConfigError(f"--init-from {path}: cannot be read as weights ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else 'no detail'}); {expected}") from None
-    try:  # the gate (hvd_train/gate.py): plain values within bounds, shared references counted each time
+    try:  # the gate (hvd_train/provenance.py): plain values within bounds, shared references counted each time
         plain(loaded, f"--init-from {path}")
     except RecordError as e:
         raise ConfigError(f"{e}; {expected}") from None
@@ -90,7 +94,7 @@ def read_state_dict(path):
     return {_unwrapped(k): v for k, v in tensors.items()}
 
 
-def _unwrapped(name):
+def _unwrapped(name: str) -> str:
     for prefix in WRAPPERS:
         while name.startswith(prefix):
             name = name[len(prefix):]
@@ -99,16 +103,16 @@ def _unwrapped(name):
 
 @dataclass
 class InitReport:
-    loaded: list = field(default_factory=list)
-    reshaped: list = field(default_factory=list)  # (name, shape in the file, shape in the model)
-    missing: list = field(default_factory=list)   # in the model, not in the file
-    unused: list = field(default_factory=list)    # in the file, not in the model
+    loaded: list[str] = field(default_factory=list)
+    reshaped: list[tuple] = field(default_factory=list)  # (name, shape in the file, shape in the model)
+    missing: list[str] = field(default_factory=list)   # in the model, not in the file
+    unused: list[str] = field(default_factory=list)    # in the file, not in the model
 
     @property
-    def total(self):
+    def total(self) -> int:
         return len(self.loaded) + len(self.reshaped) + len(self.missing)
 
-    def lines(self, path):
+    def lines(self, path: str) -> Iterator[str]:
         yield f"--init-from {path}: loaded {len(self.loaded)} of the model's {self.total} tensors"
         if self.reshaped:
             yield "  re-initialised, another shape in the file: " + ", ".join(
@@ -119,7 +123,7 @@ class InitReport:
             yield "  in the file but not in the model, ignored: " + _few(self.unused)
 
 
-def why_reshaped(in_file, in_model):
+def why_reshaped(in_file: Sequence[int], in_model: Sequence[int]) -> str:
     """What a shape difference means: another number of outputs (a classifier head for another number of classes),
     of inputs (a first layer for another number of image channels), or another shape altogether."""
     if len(in_file) == len(in_model) and len(in_file) >= 1 and in_file[1:] == in_model[1:]:
@@ -131,14 +135,14 @@ def why_reshaped(in_file, in_model):
     return "another shape"
 
 
-def _few(names, shown=8):
+def _few(names: Sequence[str], shown: int = 8) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 SHARE = 0.5  # below this share of the model's tensors loaded, the file is taken for another network's weights
 
 
-def load_matching(model, path, partial=False):
+def load_matching(model: nn.Module, path: str, partial: bool = False) -> InitReport:
     """Load into `model` every tensor of the file at `path` whose name and shape match; returns the InitReport. A
     file of which fewer than SHARE of the model's tensors load is refused (most likely another network's weights),
     unless `partial` (--model.init_partial) asks for that."""
@@ -171,7 +175,7 @@ def load_matching(model, path, partial=False):
     return report
 
 
-def freeze_configured(model, model_cfg):
+def freeze_configured(model: nn.Module, model_cfg: "ModelConfig") -> None:
     """--freeze (and --model.freeze_bn_stats) on `model`, each said in one line; nothing without --freeze."""
     if not model_cfg.freeze_patterns:
         return
@@ -185,7 +189,7 @@ def freeze_configured(model, model_cfg):
              (f" and {len(frozen) - 6} more" if len(frozen) > 6 else ""))
 
 
-def freeze(model, patterns):
+def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     """Switch off the gradients of the parameters whose names match any glob in `patterns`; returns their names.
     Frozen parameters are left out of the optimizer and so out of Horovod's allreduce."""
     names = [n for n, _ in model.named_parameters()]
@@ -202,7 +206,7 @@ def freeze(model, patterns):
     return frozen
 
 
-def hold_batch_norm(model, frozen):
+def hold_batch_norm(model: nn.Module, frozen: Collection[str]) -> list[str]:
     """BatchNorm layers whose parameters are all frozen keep their running statistics too (they stay in eval mode
     through every forward, whatever model.train() says): a frozen backbone is the network as it was trained, and
     statistics drifting under it would change its features. Returns their names."""
@@ -215,5 +219,5 @@ def hold_batch_norm(model, frozen):
     return held
 
 
-def _in_eval_mode(module, args):
+def _in_eval_mode(module: nn.Module, args: tuple[Any, ...]) -> None:
     module.training = False

@@ -2,9 +2,10 @@
 
 Every model that ships is a factory called with keyword arguments, the data set's facts (in_channels, num_classes,
 image_size) and the user's extra ones (--model-args): the same way the app calls a user's own factory
-(hvd_train/plugins.py). Each has a task: "classification" (logits, cross-entropy, top-1/top-5) or "vae".
+(hvd_train/registry.py). Each has a task: "classification" (logits, cross-entropy, top-1/top-5) or "vae".
 """
 import functools
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -14,31 +15,32 @@ from hvd_train.models.torchvision_models import build_torchvision, probe, torchv
 from hvd_train.models.vae import VAE
 
 
-def _small_cnn(in_channels, num_classes, image_size, width=32):
+def _small_cnn(in_channels: int, num_classes: int, image_size: int, width: int = 32) -> SmallCNN:
     return SmallCNN(in_channels, num_classes, width)
 
 
-def _vae(in_channels, num_classes, image_size, hidden=400, latent=20):
+def _vae(in_channels: int, num_classes: int, image_size: int, hidden: int = 400, latent: int = 20) -> VAE:
     return VAE(in_channels * image_size * image_size, hidden=hidden, latent=latent)
 
 
-MODELS = {"small_cnn": _small_cnn, "vae": _vae}  # name -> factory; torchvision's and timm's are found by name
+MODELS: dict[str, Callable[..., torch.nn.Module]] = {
+    "small_cnn": _small_cnn, "vae": _vae}  # name -> factory; torchvision's and timm's are found by name
 MODEL_TASKS = {"vae": "vae"}  # the task of a model that is not a classifier
 TIMM_PREFIX = "timm/"
 CHOICES = "choose small_cnn, vae, a torchvision classification model (resnet18, resnet50, mobilenet_v3_small, ...) " \
           "or timm/NAME for any of timm's models (timm/resnet50d, timm/vit_tiny_patch16_224, ...)"
 
 
-def model_names():
+def model_names() -> list[str]:
     return sorted(MODELS) + torchvision_names()
 
 
-def model_task(name):
+def model_task(name: str) -> str:
     """The task a model that ships is trained for (a user's model: classification unless --task says otherwise)."""
     return MODEL_TASKS.get(name, "classification")
 
 
-def find_model(name):
+def find_model(name: str) -> Optional[Callable[..., torch.nn.Module]]:
     """The factory of a model that ships with this name, or None. Naming a small model needs no torchvision."""
     if name in MODELS:
         return MODELS[name]
@@ -50,7 +52,7 @@ def find_model(name):
     return None
 
 
-def build_model(name, in_channels, num_classes, image_size, **args):
+def build_model(name: str, in_channels: int, num_classes: int, image_size: int, **args: Any) -> torch.nn.Module:
     """Build model `name` that ships for images of in_channels x image_size x image_size and num_classes classes."""
     factory = find_model(name)
     if factory is None:
@@ -59,7 +61,7 @@ def build_model(name, in_channels, num_classes, image_size, **args):
                    in_channels, image_size)
 
 
-def checked(name, model, in_channels, image_size):
+def checked(name: str, model: torch.nn.Module, in_channels: int, image_size: int) -> torch.nn.Module:
     """`model`, after one tiny batch went through it: one that cannot take this image size fails here."""
     try:
         probe(model, in_channels, image_size)
@@ -69,7 +71,7 @@ def checked(name, model, in_channels, image_size):
     return model
 
 
-def to_channels_last(model):
+def to_channels_last(model: torch.nn.Module) -> torch.nn.Module:
     """Lay out the model's convolution weights channels-last (NHWC), and each input batch too, whichever loop feeds it.
 
     On GPUs, cuDNN's tensor-core convolutions (bf16, fp16) work in NHWC: with NCHW tensors every convolution pays for
@@ -83,14 +85,14 @@ def to_channels_last(model):
     return model
 
 
-def _channels_last_input(module, args):
+def _channels_last_input(module: torch.nn.Module, args: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
     images = args[0]
     if images.dim() == 4 and not images.is_contiguous(memory_format=torch.channels_last):
         return (images.contiguous(memory_format=torch.channels_last), *args[1:])
     return None
 
 
-def is_channels_last(model):
+def is_channels_last(model: torch.nn.Module) -> bool:
     """Whether every convolution weight of the model is laid out channels-last (and there is at least one)."""
     weights = [p for p in model.parameters() if p.dim() == 4]
     return bool(weights) and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)

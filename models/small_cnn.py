@@ -1,9 +1,14 @@
 """A small convolutional classifier for digit-sized images (8x8 digits up to 28x28 MNIST)."""
+from typing import TYPE_CHECKING
+
 from torch import nn
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SmallCNN(nn.Module):
-    def __init__(self, in_channels=1, num_classes=10, width=32):
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 32) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, width, kernel_size=3, padding=1),
@@ -22,5 +27,5 @@ class SmallCNN(nn.Module):
             nn.Linear(128, num_classes),
         )
 
-    def forward(self, x):
+    def forward(self, x: "torch.Tensor") -> "torch.Tensor":
         return self.head(self.features(x))

@@ -1,11 +1,13 @@
 """Any torchvision classification model by name, adapted to the data set's channels, classes and image size."""
+from typing import Any
+
 import torch
 from torch import nn
 
 
-def torchvision_names():
-    from torchvision.models import list_models
+def torchvision_names() -> list[str]:
     import torchvision.models as tvm
+    from torchvision.models import list_models
 
     return sorted(list_models(module=tvm))
 
@@ -13,11 +15,11 @@ def torchvision_names():
 class _RepeatChannels(nn.Module):
     """Grey images into models built for RGB: repeat the single channel three times (no new parameters)."""
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.expand(-1, 3, -1, -1)
 
 
-def build_torchvision(name, in_channels, num_classes, image_size, **kwargs):
+def build_torchvision(name: str, in_channels: int, num_classes: int, image_size: int, **kwargs: Any) -> nn.Module:
     """torchvision's model `name`, untrained, for num_classes classes; kwargs go to its constructor."""
     from torchvision.models import get_model
 
@@ -34,7 +36,7 @@ def build_torchvision(name, in_channels, num_classes, image_size, **kwargs):
     return model
 
 
-def probe(model, in_channels, image_size):
+def probe(model: nn.Module, in_channels: int, image_size: int) -> None:
     """Run one tiny batch through the model; a model that cannot take this image size fails here, not mid-epoch."""
     was_training = model.training
     model.eval()

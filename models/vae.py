@@ -9,7 +9,7 @@ class VAE(nn.Module):
     forward() returns (reconstruction in [0, 1], mu, logvar); the loss (reconstruction + KL) is the task's business.
     """
 
-    def __init__(self, in_features, hidden=400, latent=20):
+    def __init__(self, in_features: int, hidden: int = 400, latent: int = 20) -> None:
         super().__init__()
         self.encoder = nn.Sequential(nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU(inplace=True))
         self.mu = nn.Linear(hidden, latent)
@@ -17,7 +17,7 @@ class VAE(nn.Module):
         self.decoder = nn.Sequential(nn.Linear(latent, hidden), nn.ReLU(inplace=True),
                                      nn.Linear(hidden, in_features), nn.Sigmoid())
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h = self.encoder(x)
         mu, logvar = self.mu(h), self.logvar(h)
         # Reparameterization: sample with noise from outside the graph so gradients reach mu and logvar.

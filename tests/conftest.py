@@ -442,15 +442,16 @@ def server(tmp_path):
     proc.wait()
 
 
-def trainer_for(model, optimizer, **opts):
-    """A Trainer of the classification task around `model` and `optimizer` on the CPU, for one step's unit tests."""
+def trainer_for(model, optimizer, **sections):
+    """A Trainer of the classification task around `model` and `optimizer` on the CPU, for one step's unit tests;
+    `sections`: the config sections its steps read (StepOptions: optim=OptimConfig(clip_grad=1.0), ...)."""
     import torch
 
-    from hvd_train.engine import StepOptions, Trainer
+    from hvd_train.trainer import StepOptions, Trainer
     from hvd_train.tasks import builtin_task
 
     return Trainer(model, builtin_task("classification"), optimizer, schedule=None, device=torch.device("cpu"),
-                   opts=StepOptions(**opts))
+                   opts=StepOptions(**sections))
 
 
 def shard(out, *args):

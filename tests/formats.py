@@ -156,11 +156,11 @@ def photo(width, height, seed, quality=90):
 
 def both_ways(paths, train, size=224, device="cpu"):
     """(the loader workers' uint8 crops, the device's float crops) of the same draws (seed i for file i) of the
-    photos at `paths`: data/photos.py's two sides, the device's on `device`."""
+    photos at `paths`: data/images.py's two sides, the device's on `device`."""
     import torch
 
     from hvd_train.data.augment import seed_all
-    from hvd_train.data.photos import PhotoTransform, collate_encoded, crop_batch, decode_batch
+    from hvd_train.data.images import PhotoTransform, collate_encoded, crop_batch, decode_batch
 
     plain, encoded = PhotoTransform(size, train), PhotoTransform(size, train).on_device()
     cpu, samples = [], []

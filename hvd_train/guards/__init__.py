@@ -1,2 +1,5 @@
-"""What keeps a job from hanging or ending silently: the watchdog that names a frozen rank, and the handling of
-Ctrl-C and SIGTERM."""
+"""What keeps a job from hanging, ending silently or training on after its loss broke.
+
+watchdog.py names a frozen rank (and has every rank write its stacks on SIGUSR2); interrupt.py handles Ctrl-C,
+SIGTERM, SIGUSR1 and a SLURM job's time limit; divergence.py stops every rank at once on a NaN or diverged loss.
+"""

@@ -1,50 +1,58 @@
 """`train_hvd.py --benchmark`: images/s of the app's own training step on a synthetic batch held in memory.
 
 What Horovod's pytorch_synthetic_benchmark.py measures, through the code that trains: the same model, optimizer,
-Horovod wrapper, learning-rate schedule, metric sums and non-finite checks as a real run (engine.train_one_epoch),
-fed one random batch again and again so that no input pipeline is timed. Warm-up steps first, then num_iters timed
-iterations of num_batches_per_iter steps; each rank times its own, and rank 0 reports every rank's figures.
+Horovod wrapper, learning-rate schedule, metric sums and non-finite checks as a real run (train_one_epoch, in
+hvd_train/trainer.py), fed one random batch again and again so that no input pipeline is timed. Warm-up steps
+first, then num_iters timed iterations of num_batches_per_iter steps; each rank times its own, and rank 0 reports
+every rank's figures.
 """
 import logging
 import math
 import os
 import statistics
 import time
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 from torch.utils.data import default_collate
 
 import hvd_utils
-from hvd_train.data import DataInfo, is_streamed, native_size
 from hvd_train import training
-from hvd_train.build import attach_profiler, prepare_data
-from hvd_train.schedule import batching
-from hvd_train.feed import Feed, image_figures
-from hvd_train.engine import Hooks, train_one_epoch
+from hvd_train.data import DataInfo, is_streamed, native_size
 from hvd_train.errors import ConfigError, NonFiniteLossError
-from hvd_train.plugins import is_import_path
-from hvd_train.run_task import samples_in
-from hvd_train.run.reporting import peak_rss_bytes, seconds_since_start
 from hvd_train.files import write_json
+from hvd_train.models import MODELS as SMALL_MODELS
+from hvd_train.models import is_channels_last
+from hvd_train.provenance import is_import_path
 from hvd_train.run.directory import RunDir
-from hvd_train.models import MODELS as SMALL_MODELS, is_channels_last
+from hvd_train.run.reports import JobFacts, peak_rss_bytes, seconds_since_start
+from hvd_train.tasks import samples_in
+from hvd_train.trainer import Feed, Hooks, batching, image_figures, train_one_epoch
+from hvd_train.training import attach_profiler, prepare_data
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+    from hvd_train.config import BenchmarkConfig, Config
+    from hvd_train.trainer import Batching, Trainer
 
 log = logging.getLogger("hvd_train")
 
 
-def samples_batch(train_set, info, device, n):
+def samples_batch(train_set: "Dataset", info: DataInfo, device: torch.device, n: int) -> Any:
     """One batch of the data set's own first `n` samples (cycled where it has fewer), collated as the loader
     collates them, held on the device as the feed hands batches to the model: a user's task may take any sample
     structure (dicts, nested), which only its data has."""
     return Feed(device, *image_figures(info))(default_collate([train_set[i % len(train_set)] for i in range(n)]))
 
 
-def uses_own_data(cfg):
+def uses_own_data(cfg: "Config") -> bool:
     """A user's task or data set: its batches are timed as its data makes them, not as random images."""
     return is_import_path(cfg.model.task) or is_import_path(cfg.data.dataset)
 
 
-def synthetic_batch(cfg, info, device, n):
+def synthetic_batch(cfg: "Config", info: DataInfo, device: torch.device, n: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """One random batch per step of `n` samples (the per-rank batch x batches_per_allreduce), made once, on the
     device."""
     gen = torch.Generator().manual_seed(cfg.run.seed)
@@ -58,14 +66,15 @@ def synthetic_batch(cfg, info, device, n):
 class _AtStart(Hooks):
     """The rate of the schedule's first step, at every step: a benchmark times steps, it does not train."""
 
-    def position(self, epoch, step, steps):
+    def position(self, epoch: int, step: int, steps: int) -> float:
         return 0.0
 
 
-def time_iterations(trainer, batch, b):
+def time_iterations(trainer: "Trainer", batch: Any, b: "BenchmarkConfig") -> tuple[Optional[float], list[float]]:
     """(seconds of the first step, images/s of each timed iteration) on this rank: b.num_warmup_batches steps
     outside the timed ones (the first timed alone: it holds torch.compile's compilation), then b.num_iters timed
-    runs of b.num_batches_per_iter steps through engine.train_one_epoch. No warm-up: no first-step time (None)."""
+    runs of b.num_batches_per_iter steps through train_one_epoch (hvd_train/trainer.py). No warm-up: no first-step
+    time (None)."""
     samples, hooks = samples_in(batch), _AtStart()
     first_step_seconds = None
     if b.num_warmup_batches:
@@ -84,7 +93,7 @@ def time_iterations(trainer, batch, b):
     return first_step_seconds, rates
 
 
-def summarize(rates_by_rank):
+def summarize(rates_by_rank: list[list[float]]) -> dict[str, float]:
     """Per-rank images/s as mean and 1.96 x standard deviation over every rank's iterations (the spread of
     Horovod's benchmark), and the total: the sum of the ranks' own means."""
     flat = [r for rates in rates_by_rank for r in rates]
@@ -95,24 +104,25 @@ def summarize(rates_by_rank):
             "img_per_sec_total_ci95": ci95 * len(rates_by_rank)}
 
 
-def peak_memory_bytes(device):
+def peak_memory_bytes(device: torch.device) -> int:
     """This process's peak memory so far: the GPU's allocations on a GPU, else the resident set's high-water mark."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return peak_rss_bytes()
 
 
-def build_trainer(cfg, info, rt):
+def build_trainer(cfg: "Config", info: DataInfo, rt: hvd_utils.Runtime) -> "Trainer":
     """The Trainer of a training run, built by the recipe's steps (train_hvd.py), Horovod's optimizer included."""
     model, task = training.model_and_task(cfg, info, rt.device)
     scaled = batching(cfg, rt.size)  # made once: the optimizer's rate, then the Trainer's
     optimizer = training.optimizer(cfg, model, lr=scaled.lr)
-    optimizer = hvd_utils.distributed_optimizer(optimizer, model, **training.allreduce_options(cfg))
+    optimizer = hvd_utils.distributed_optimizer(optimizer, model, training.wire_options(cfg))
     return training.trainer(cfg, info, rt, model, task, optimizer, scaled)
 
 
-def run(cfg, rt):
+def run(cfg: "Config", rt: hvd_utils.Runtime) -> int:
     """Time the training step on every rank; rank 0 prints the figures and writes summary.json."""
+    channels: Optional[int]  # a data set of the user's may not say
     channels, classes = cfg.data.synthetic_channels, cfg.data.synthetic_classes
     # Without --image-size: ImageNet-sized images for torchvision models (as in Horovod's benchmark), MNIST-sized
     # ones for the small models made for those.
@@ -126,7 +136,7 @@ def run(cfg, rt):
                               "or benchmark your data set's own factory")
         channels = info.in_channels
     run_dir = RunDir(cfg.run.output_dir)
-    hvd_utils.decide_on_root(lambda: run_dir.claim_for_benchmark(cfg.run.overwrite), "output_dir")
+    hvd_utils.decide_on_root(lambda: run_dir.acquire_for_benchmark(cfg.run.overwrite), "output_dir")
     trainer = build_trainer(cfg, info, rt)
     attach_profiler(trainer, cfg, rt, run_dir)
     trainer.opts.show_progress = False  # steps are timed: no bar
@@ -145,7 +155,7 @@ def run(cfg, rt):
              f", torch.compile mode {cfg.model.compile_mode}" if cfg.model.compile else "")
 
     own = uses_own_data(cfg)
-    n = trainer.batching.per_rank
+    n = cast("Batching", trainer.batching).per_rank  # (build_trainer sets it)
     batch = samples_batch(train_set, info, rt.device, n) if own else synthetic_batch(cfg, info, rt.device, n)
     first_step_seconds, rates = time_iterations(trainer, batch, b)
     if trainer.profiler is not None:
@@ -169,20 +179,15 @@ def run(cfg, rt):
                  figures["img_per_sec_total_ci95"])
         os.makedirs(run_dir.root, exist_ok=True)
         write_json(run_dir.summary, {
-            "mode": "benchmark", "config_name": cfg.run.name or "default", "model": cfg.model.name,
-            "image_size": info.image_size, "channels": channels, "batch_size_per_rank": cfg.optim.batch_size,
-            "batches_per_allreduce": cfg.horovod.batches_per_allreduce, "world_size": rt.size,
-            "local_size": rt.local_size, "device": str(rt.device), "threads_per_rank": rt.threads,
-            "controller": rt.controller, "tensor_ops": rt.tensor_ops, "amp": cfg.optim.amp,
+            "mode": "benchmark", **JobFacts.of(cfg, rt).as_dict(), "image_size": info.image_size, "channels": channels,
+            "batches_per_allreduce": cfg.horovod.batches_per_allreduce, "amp": cfg.optim.amp,
             "channels_last": is_channels_last(trainer.model),  # the weights' layout as trained, not just the setting
-            "fusion_threshold_mb": rt.fusion_threshold_mb, "cycle_time_ms": rt.cycle_time_ms,
             "fp16_allreduce": cfg.horovod.fp16_allreduce, "bf16_allreduce": cfg.horovod.bf16_allreduce,
             "optimizer": cfg.optim.optimizer,
             "shard_optimizer": cfg.horovod.shard_optimizer,
             "parameters": sum(p.numel() for p in trainer.model.parameters()),
             "optimizer_state_bytes_by_rank": [int(h[0]) for h in held],
             "peak_memory_bytes_by_rank": [int(h[1]) for h in held],
-            "compile": cfg.model.compiled_as,
             "first_step_seconds": first_step_seconds, "num_warmup_batches": b.num_warmup_batches,
             "num_iters": b.num_iters, "num_batches_per_iter": b.num_batches_per_iter, **figures,
             "img_per_sec_by_rank": rates_by_rank, "wall_seconds": seconds_since_start(), "config": cfg.to_dict()})

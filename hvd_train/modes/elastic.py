@@ -1,58 +1,69 @@
-"""--elastic: the training loop of a fixed run (engine.fit) inside Horovod's elastic loop, for jobs whose workers
-come and go (horovodrun --min-np/--max-np --host-discovery-script).
+"""--elastic: the training loop of a fixed run (trainer.fit_epochs) inside Horovod's elastic loop, for jobs whose
+workers come and go (horovodrun --min-np/--max-np --host-discovery-script).
 
 State committed with state.commit() survives: on a reset every worker rolls back to the last commit and re-enters
-fit() at that epoch; the sampler yields only the samples the epoch has not processed, and the learning rate follows
-the fraction of the epoch done, so the schedule holds whatever the number of workers.
+fit_epochs() at that epoch; the sampler yields only the samples the epoch has not processed, and the learning rate
+follows the fraction of the epoch done, so the schedule holds whatever the number of workers.
 """
 import dataclasses
 import logging
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import hvd_utils
 from hvd_train.data import build_loaders, check_world
-from hvd_train.build import attach_profiler, load_initial_weights
-from hvd_train.schedule import batching
-from hvd_train.engine import Hooks, fit
-from hvd_train.run.reporting import finish
-from hvd_train.run.setup_lines import log_setup
-from hvd_train.run.resume import resume
+from hvd_train.run.checkpoint import checkpoint_to_resume, resume
+from hvd_train.run.reports import log_setup, write_summary
 from hvd_train.run.state import AfterEpoch, RunState, outputs_for
 from hvd_train.run.tracking import local_mlflow
-from hvd_train.training import close_profiler, write_config_everywhere
+from hvd_train.trainer import Hooks, batching, fit_epochs
+from hvd_train.training import attach_profiler, close_profiler, load_initial_weights, write_config_everywhere
 from hvd_utils import elastic
+
+if TYPE_CHECKING:
+    import torch
+    from torch.utils.data import DataLoader, Sampler
+
+    from hvd_train.config import Config
+    from hvd_train.data.shards import ShardLoader
+    from hvd_train.trainer import Trainer
+    from hvd_train.training import Data
 
 log = logging.getLogger("hvd_train")
 
 
 class ElasticHooks(Hooks):
-    """fit()'s hooks in an elastic run: the step counters, and the sampler's position, are committed every
+    """fit_epochs()'s hooks in an elastic run: the step counters, and the sampler's position, are committed every
     `commit_every` steps and after each epoch; st.resets and st.redone count the resets and the steps they rolled
     back (in the state, so a worker that joins later reports the whole run's).
 
-    Tar shards (data/shard_index.py; sampler None) plan each epoch whole for a number of ranks: their hooks commit at
+    Tar shards (data/shards.py; sampler None) plan each epoch whole for a number of ranks: their hooks commit at
     epoch ends only, so a reset rolls the model back to the start of the epoch in progress, which is then read again
     from its beginning, planned for the new set of workers. The steps since that start are redone (counted), and no
     update from a sample of that epoch survives twice."""
+    sampler: Any  # Horovod's ElasticSampler; tar shards: the training loader of the current workers
+    state: RunState  # after_epoch's, never None here
 
-    def __init__(self, st, after_epoch, sampler=None, commit_every=0, batch_size=0):
+    def __init__(self, st: "elastic.TorchState", after_epoch: AfterEpoch,
+                 sampler: "Optional[elastic.ElasticSampler]" = None, commit_every: int = 0,
+                 batch_size: int = 0) -> None:
         super().__init__(sampler, after_epoch, after_epoch.state)  # tar shards: each entry sets its loader
         self.st, self.commit_every, self.batch_size = st, commit_every, batch_size
         self.by_sample = sampler is not None  # Horovod's ElasticSampler: the position within an epoch survives
         self.epochs = after_epoch.trainer.epochs
         self.done = {"epoch": 1, "batch": 0}  # the last step done, before any rollback
 
-    def epoch_start(self, epoch):
+    def epoch_start(self, epoch: int) -> None:
         # Horovod's ElasticSampler starts a new epoch when set_epoch is called at the end of the last; a tar
         # shard loader plans its epoch here.
         if not self.by_sample:
             super().epoch_start(epoch)
 
-    def position(self, epoch, step, steps):
+    def position(self, epoch: int, step: int, steps: int) -> float:
         if not self.by_sample:
             return super().position(epoch, step, steps)
         return epoch - 1 + min(1.0, self.sampler.processed_num / len(self.sampler.dataset))
 
-    def after_step(self, epoch, step, steps, sums):
+    def after_step(self, epoch: int, step: int, steps: int, sums: "dict[str, torch.Tensor]") -> None:
         st = self.st
         st.batch += 1
         st.steps += 1
@@ -62,7 +73,7 @@ class ElasticHooks(Hooks):
             if st.batch % self.commit_every == 0:
                 st.commit()  # also where a worker learns that hosts were added or removed
 
-    def epoch_end(self, epoch, record):
+    def epoch_end(self, epoch: int, record: dict[str, Any]) -> bool:
         st = self.st
         self.state.set_steps(st.steps)
         stop = super().epoch_end(epoch, record)
@@ -75,14 +86,16 @@ class ElasticHooks(Hooks):
         st.commit()
         return stop
 
-    def count_reset(self):
+    def count_reset(self) -> None:
         if self.done["epoch"] == self.st.epoch:
             self.st.redone += self.done["batch"] - self.st.batch
         self.st.resets += 1
         self.st.save()  # the restore point stays the last commit; only the counts are kept from here
 
 
-def train(cfg, rt, data, trainer, loaders):
+def train(cfg: "Config", rt: hvd_utils.Runtime, data: "Data", trainer: "Trainer",
+          loaders: ("tuple[Union[DataLoader, ShardLoader], Union[DataLoader, ShardLoader], "
+                    "Union[Sampler[int], ShardLoader]]")) -> int:
     """Train the parts train_hvd.py built (data, Trainer with Horovod's optimizer, the loaders over Horovod's
     ElasticSampler) inside Horovod's elastic loop. Nothing here runs a collective before that loop: a worker that
     joins later starts the script while the others are inside it. The output directory is claimed, and a
@@ -101,18 +114,16 @@ def train(cfg, rt, data, trainer, loaders):
                        run={}, resets=0, redone=0, **averaged)
     hooks = ElasticHooks(st, after_epoch, sampler, cfg.horovod.commit_every, data.spec.batch_size)
 
-    def take_roles():
+    def take_roles() -> None:
         # Rank 0 of the current workers writes; after a reset that may be another process than before. The rate
         # follows the number of workers.
         rank, size, _ = elastic.world()
         logging.getLogger().setLevel(logging.INFO if rank == 0 else logging.WARNING)
         outputs.checkpointer.enabled = rank == 0
         outputs.reporter.set_enabled(rank == 0)
-        trainer.opts.show_progress = cfg.logging.progress and rank == 0
-        trainer.batching = batching(cfg, size)  # another number of workers: the arithmetic made anew for it
-        trainer.schedule.lr_scale = trainer.batching.lr_scale
+        trainer.rescale(batching(cfg, size), show_progress=cfg.logging.progress and rank == 0)
 
-    def on_reset():
+    def on_reset() -> None:
         hooks.count_reset()
         take_roles()
         log.info("workers changed: now %d; continuing from epoch %d, step %d (the last commit)", elastic.world()[1],
@@ -121,7 +132,7 @@ def train(cfg, rt, data, trainer, loaders):
     st.register_reset_callbacks([on_reset])
 
     @elastic.run
-    def run_loop(st):
+    def run_loop(st: "elastic.TorchState") -> None:
         if st.run:
             state.load(st.run)  # rank 0's, as of the last commit (Horovod synced the state before this call)
         if st.claimed:
@@ -131,7 +142,8 @@ def train(cfg, rt, data, trainer, loaders):
             # not fit leaves nothing behind. A resumed run then replaces these weights with its checkpoint's.
             load_initial_weights(cfg, trainer.model)
             resume_from = hvd_utils.decide_on_root(
-                lambda: outputs.run_dir.claim(cfg.checkpoint.resume, cfg.run.overwrite, local_mlflow(cfg)),
+                lambda: outputs.run_dir.acquire(cfg.checkpoint.resume, cfg.run.overwrite, local_mlflow(cfg),
+                                                find_checkpoint=checkpoint_to_resume),
                 "output_dir")
             if resume_from:
                 resume(resume_from, trainer, state, outputs.fits)
@@ -163,12 +175,12 @@ def train(cfg, rt, data, trainer, loaders):
         now = build_loaders(data.train_set, data.val_set, data.spec, rank, size)
         if streamed:
             hooks.sampler = now[0]
-        outputs.run_dir.training()
-        fit(trainer, now[0] if streamed else train_loader, now[1], hooks, first_epoch=st.epoch)
+        outputs.run_dir.keep_from_now()
+        fit_epochs(trainer, now[0] if streamed else train_loader, now[1], hooks, first_epoch=st.epoch)
 
     # The lock is held by the process that claimed the directory, while it lives; stopped before training started,
-    # it leaves no directory it made (RunDir.held).
-    with outputs.run_dir.held():
+    # it leaves no directory it made (RunDir.lock_held).
+    with outputs.run_dir.lock_held():
         try:
             run_loop(st)
             close_profiler(trainer)
@@ -177,5 +189,5 @@ def train(cfg, rt, data, trainer, loaders):
     rank, size, local_size = elastic.world()
     state.set_elastic({"resets": st.resets, "steps_redone": st.redone, "commit_every": cfg.horovod.commit_every,
                        "steps": st.steps})
-    return finish(cfg, dataclasses.replace(rt, rank=rank, size=size, local_size=local_size), trainer, state,
-                  outputs.reporter)
+    return write_summary(cfg, dataclasses.replace(rt, rank=rank, size=size, local_size=local_size), trainer, state,
+                         outputs.reporter)

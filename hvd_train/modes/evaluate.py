@@ -1,27 +1,30 @@
 """--evaluate --resume PATH|auto: a checkpoint's metrics on the validation set, over every rank's shard."""
 import logging
 import os
+from typing import TYPE_CHECKING, Any, Sequence
 
 import hvd_utils
 from hvd_train.data import build_loaders
-from hvd_train.build import build_model_for, build_task, loader_spec, prepare_data, try_the_metrics
-from hvd_train.validation import evaluate_all
 from hvd_train.errors import CheckpointError
-from hvd_train.feed import Feed
-from hvd_train.regularize import weight_average
-from hvd_train.run.best import visible
 from hvd_train.files import write_json
+from hvd_train.run.checkpoint import checkpoint_fits, checkpoint_to_resume, load_everywhere
 from hvd_train.run.directory import RunDir
-from hvd_train.run.resume import checkpoint_fits, load_everywhere, resolve
+from hvd_train.tasks import visible
+from hvd_train.trainer import Feed, evaluate_all, weight_average
+from hvd_train.training import build_model_for, build_task, loader_spec, prepare_data, try_the_metrics
+
+if TYPE_CHECKING:
+    from hvd_train.config import Config
 
 log = logging.getLogger("hvd_train")
 
 
-def run(cfg, rt):
+def run(cfg: "Config", rt: hvd_utils.Runtime) -> int:
     train_set, val_set, info = prepare_data(cfg)
     _, val_loader, _ = build_loaders(train_set, val_set, loader_spec(cfg, rt.device), rt.rank, rt.size)
     run_dir = RunDir(cfg.run.output_dir)
-    path = hvd_utils.decide_on_root(lambda: resolve(run_dir, cfg.checkpoint.resume, training=False), "evaluate")
+    path = hvd_utils.decide_on_root(lambda: checkpoint_to_resume(run_dir, cfg.checkpoint.resume, training=False),
+                                    "evaluate")
     if path is None:
         raise CheckpointError(f"--evaluate --resume auto: no checkpoint in {run_dir.checkpoints} to evaluate")
     task = build_task(cfg, info)
@@ -42,6 +45,6 @@ def run(cfg, rt):
     return 0
 
 
-def say(path, meta, what, metrics, helpers=()):
+def say(path: str, meta: dict[str, Any], what: str, metrics: dict[str, Any], helpers: Sequence[str] = ()) -> None:
     log.info("evaluated %s%s (epoch %d) on %d samples: %s", path, what, meta["epoch"], metrics["count"],
              "  ".join(f"{k} {v:.4f}" for k, v in visible(metrics, helpers).items() if k != "count"))

@@ -5,24 +5,27 @@ and written beside every export as JSON.
     facts               the data set's facts the factory was called with (in_channels, num_classes, image_size, ...)
     task                classification, vae or the user's task
     classes             the classes' names in label order (null where the data set does not know them)
-    preprocessing       how an image file becomes an input (data/preprocessing.py; null for data that is not images)
+    preprocessing       how an image file becomes an input (data/images.py; null for data that is not images)
     weights             which weights the file offers: "model", or "ema" (--model-ema: the average validated better)
 """
 import itertools
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 from torch.nn.parameter import is_lazy
 
 from hvd_train import models
-from hvd_train.data import IMAGE_FACTS
-from hvd_train.data.preprocessing import CLASS_NAMES, Preprocessing, of_builtin
-from hvd_train.errors import CheckpointError, ConfigError
-from hvd_train.gate import RecordError, plain
-from hvd_train.plugins import call, resolve
-from hvd_train.trust import refuse_code_from
-from hvd_train.uris import redact_values
+from hvd_train.data.catalog import IMAGE_FACTS
+from hvd_train.data.images import CLASS_NAMES, Preprocessing, of_builtin
+from hvd_train.errors import CheckpointError, ConfigError, redact_values
+from hvd_train.provenance import RecordError, plain, refuse_code_from
+from hvd_train.registry import call, resolve
+
+if TYPE_CHECKING:
+    from hvd_train.config import Config
+    from hvd_train.data import DataInfo
+    from hvd_train.tasks import RunTask
 
 # A model rebuilt from a card takes at most this many bytes per byte of the file holding its weights, plus the slack:
 # its parameters and persistent buffers are in the file, and what it computes besides (non-persistent buffers)
@@ -41,12 +44,12 @@ class ModelCard:
     preprocessing: Optional[dict] = None
     weights: str = "model"
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d, where):
-        try:  # the gate (hvd_train/gate.py): a card is plain data of bounded size, read from a file
+    def from_dict(cls, d: dict[str, Any], where: str) -> "ModelCard":
+        try:  # the gate (hvd_train/provenance.py): a card is plain data of bounded size, read from a file
             plain(d, where, depth=16)
         except RecordError as e:
             raise CheckpointError(f"{e}; it is not a model card hvd-train wrote") from None
@@ -56,8 +59,9 @@ class ModelCard:
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{where}: not a model card hvd-train wrote (missing {e}); export the checkpoint "
                                   f"again with hvd-train export") from None
-        kinds = {"model": str, "model_args": dict, "facts": dict, "task": str, "classes": (list, type(None)),
-                 "preprocessing": (dict, type(None))}
+        kinds: dict[str, Union[type, tuple[type, ...]]] = {
+            "model": str, "model_args": dict, "facts": dict, "task": str, "classes": (list, type(None)),
+            "preprocessing": (dict, type(None))}
         wrong = [k for k, kind in kinds.items() if not isinstance(getattr(card, k), kind)]
         wrong += ["weights"] if card.weights not in ("model", "ema") else []
         if wrong:
@@ -65,13 +69,14 @@ class ModelCard:
                                   f"{type(getattr(card, wrong[0])).__name__})")
         return card
 
-    def check_code(self, where, trusted):
+    def check_code(self, where: str, trusted: bool) -> None:
         """Refuse a card that names code (an import path for the model or task, file-reading model arguments or
         facts) unless the user passed --trust-code: a card is read from a file that may come from anyone."""
         refuse_code_from({"model": {"name": self.model, "task": self.task, "args": self.model_args,
                                     "facts": self.facts}}, where, trusted)
 
-    def build(self, shapes, file_bytes, trusted=False):
+    def build(self, shapes: dict[str, Sequence[int]], file_bytes: int,
+              trusted: bool = False) -> torch.nn.Module:
         """The model, freshly initialised on the CPU in eval mode (load its weights next). `shapes`: {name: shape}
         of the weights the file of `file_bytes` bytes holds. The model is built on PyTorch's meta device first: it
         must have exactly those weights, and its parameters and buffers (persistent or not: a buffer the model
@@ -99,7 +104,8 @@ class ModelCard:
         model = call(factory, self.facts, self.model_args, "the model's arguments", self.model, named_only)
         return model.eval()
 
-    def _check_planned(self, planned, shapes, file_bytes, trusted):
+    def _check_planned(self, planned: torch.nn.Module, shapes: dict[str, Sequence[int]], file_bytes: int,
+                       trusted: bool) -> None:
         # A lazy module's parameters have no shape until they are loaded: they take the file's.
         wanted = {k: tuple(shapes.get(k, ())) if is_lazy(v) else tuple(v.shape)
                   for k, v in planned.state_dict().items()}
@@ -119,7 +125,7 @@ class ModelCard:
                                   f"{MODEL_BYTES_SLACK // 2**20} MiB: the card does not belong to these weights (if "
                                   f"you trust this file, pass --trust-code)")
 
-    def prepare(self):
+    def prepare(self) -> Preprocessing:
         """The Preprocessing of image files for this model; refused where the data was not images."""
         if not self.preprocessing:
             raise CheckpointError(f"the model {self.model} was trained on data that records no image preprocessing "
@@ -130,18 +136,18 @@ class ModelCard:
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"the model card's preprocessing cannot be used: {e}") from None
 
-    def class_name(self, index):
+    def class_name(self, index: int) -> str:
         return self.classes[index] if self.classes and index < len(self.classes) else str(index)
 
 
-def card_for(cfg, info, task):
+def card_for(cfg: "Config", info: "DataInfo", task: "RunTask") -> ModelCard:
     """The card of a model trained with `cfg` on data `info` for `task`."""
     # Stored in every checkpoint and export: through the one redactor, as config.json is.
     return ModelCard(cfg.model.name, redact_values(dict(cfg.model.args)), redact_values(info.facts()), task.name,
                      info.classes, info.preprocessing.to_dict() if info.preprocessing else None)
 
 
-def card_of_checkpoint(ckpt, where):
+def card_of_checkpoint(ckpt: dict[str, Any], where: str) -> ModelCard:
     """The card a checkpoint records; for a checkpoint written before cards existed, the one its config and fields
     imply (the preprocessing of the data sets that ship follows from the data set's name)."""
     if isinstance(ckpt.get("model_card"), dict):

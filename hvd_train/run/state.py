@@ -1,25 +1,33 @@
-"""What a run has done so far, and what happens after each epoch: the one owner of the history and the best metric.
+"""The run state: what a run has done so far (RunState, the one owner of the history and the best metric), and what
+follows each epoch on every rank (AfterEpoch: the run state, the reports, the checkpoint).
 
-RunState is written by AfterEpoch (and by a checkpoint when a run resumes: hvd_train/run/resume.py), read by the
-checkpoint and by summary.json; nothing else keeps a copy.
+RunState is written by AfterEpoch (and by a checkpoint when a run resumes: hvd_train/run/checkpoint.py), read by the
+checkpoint and by summary.json; nothing else keeps a copy. The best metric and which weights reached it come from
+the task's rules (hvd_train/tasks.py). Outputs gathers where a run's results go: the run directory, rank 0's
+checkpointer and reporter, and the fields a checkpoint must match to be loaded into the run.
 """
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import psutil
 import torch
 
 import hvd_utils
 from hvd_train.guards import interrupt
-from hvd_train.run.checkpoint import VERSION, Checkpointer, rng_state
-from hvd_train.run.best import candidate, improved, reached
-from hvd_train.run.model_card import card_for
-from hvd_train.run.reporting import Reporter, seconds_since_start
+from hvd_train.run.checkpoint import VERSION, Checkpointer, checkpoint_fits, rng_state
 from hvd_train.run.directory import RunDir
-from hvd_train.run.resume import checkpoint_fits
+from hvd_train.run.model_card import card_for
+from hvd_train.run.reports import Reporter, seconds_since_start
+from hvd_train.tasks import candidate, improved, reached
 from hvd_train.timing import compact, over_run
+
+if TYPE_CHECKING:
+    from hvd_train.config import Config
+    from hvd_train.data import DataInfo
+    from hvd_train.tasks import RunTask
+    from hvd_train.trainer import Trainer
 
 log = logging.getLogger("hvd_train")
 
@@ -57,7 +65,7 @@ class RunState:
     CHECKPOINTED = ("epoch", "step", "best_metric", "best_epoch", "best_weights", "history",
                     "resumes", "first_loss", "tracking")
 
-    def load(self, meta):
+    def load(self, meta: dict[str, Any]) -> None:
         """Take the counters, best metric, history and resume points a checkpoint holds."""
         self.epoch, self.step = meta["epoch"], meta.get("step") or 0
         self.best_metric, self.best_epoch, self.history = meta["best_metric"], meta["best_epoch"], list(meta["history"])
@@ -71,11 +79,11 @@ class RunState:
         self.partial = self.saved_within = meta.get("partial")
         self.timing_before = meta.get("timing")
 
-    def wall_seconds(self):
+    def wall_seconds(self) -> float:
         """Seconds the whole run has taken: the parts before each resume, and this process since it started."""
         return self.wall_before + seconds_since_start()
 
-    def where(self, epochs, last_checkpoint):
+    def where(self, epochs: int, last_checkpoint: str) -> str:
         """Where training stands, for the message of an interruption (read from another thread)."""
         # An epoch ends when its record and checkpoint are written: a signal that stops a rank before then (its
         # peer stopped first and ended their collective) leaves that epoch to be trained again.
@@ -91,7 +99,7 @@ class RunState:
             return f"{position}; no checkpoint was written yet, so --resume auto starts afresh"
         return f"{position}; --resume auto continues from {last_checkpoint} (the end of epoch {self.saved_epoch})"
 
-    def carried(self, epoch, rank, world_size):
+    def carried(self, epoch: int, rank: int, world_size: int) -> tuple[int, dict[str, Any]]:
         """(steps of `epoch` done, this rank's metric sums of them) where this process resumed from a checkpoint
         taken within `epoch`, else (0, {}). On as many ranks as wrote it, each rank takes its own sums; on another
         number, rank 0 takes them all (the epoch's figures are sums over every rank, so they come out the same)."""
@@ -105,70 +113,70 @@ class RunState:
         return p["steps"], {key: sum(torch.as_tensor(s.get(key, 0.0), dtype=torch.float64) for s in p["sums"])
                             for key in p["sums"][0]}
 
-    def carried_seconds(self, epoch):
+    def carried_seconds(self, epoch: int) -> float:
         """Seconds spent on the steps of `epoch` that a checkpoint taken within it holds (0 for a fresh epoch)."""
         return self.partial["seconds"] if self.partial and self.partial["epoch"] == epoch else 0.0
 
     # Every change to the run state is one of these methods (or load and add): the loop, the modes and AfterEpoch
     # say what happened, and RunState alone writes its fields.
-    def begin_epoch(self, epoch):
+    def begin_epoch(self, epoch: int) -> None:
         self.in_epoch, self.epoch_first_step = epoch, self.step - self.carried(epoch, 0, 1)[0]
         self.epoch_began = time.perf_counter() - self.carried_seconds(epoch)  # its steps before a resume included
 
-    def count_step(self):
+    def count_step(self) -> None:
         self.step += 1
 
-    def set_steps(self, steps):
+    def set_steps(self, steps: int) -> None:
         """An elastic run's own count of optimizer steps, which survives its resets."""
         self.step = steps
 
-    def keep_first_loss(self, loss):
+    def keep_first_loss(self, loss: float) -> None:
         """The run's first step's loss (every rank's), kept once: the value divergence is measured against."""
         if self.first_loss is None:
             self.first_loss = loss
 
-    def stop(self, epoch):
+    def stop(self, epoch: int) -> None:
         self.stopped_at = epoch
 
-    def closed(self, epoch, saved):
+    def closed(self, epoch: int, saved: bool) -> None:
         """Epoch `epoch`'s record is written, and its checkpoint where `saved`."""
         self.closed_epoch = epoch
         if saved:
             self.saved_epoch, self.saved_within = epoch, None
 
-    def restart_epoch(self):
+    def restart_epoch(self) -> None:
         """The epoch a checkpoint was taken within starts over (its loader cannot continue it)."""
         self.partial = None
 
-    def set_saves(self, figures):
+    def set_saves(self, figures: dict[str, Any]) -> None:
         """The checkpoints taken within epochs and the training thread's wait for them, for the summary."""
         self.saves = figures
 
-    def saved_step(self, position):
+    def saved_step(self, position: dict[str, Any]) -> None:
         """A checkpoint within an epoch is written: `position` as `partial` describes it."""
         self.saved_within = position
 
-    def note_training_memory(self):
+    def note_training_memory(self) -> None:
         """An epoch's steps are done: this process's resident memory then, kept for the first such epoch (training's
         own, before any validation or checkpoint has added to it; freed memory is kept by malloc, so later it only
         grows)."""
         if self.training_rss is None:
             self.training_rss = psutil.Process().memory_info().rss
 
-    def set_elastic(self, figures):
+    def set_elastic(self, figures: dict[str, Any]) -> None:
         self.elastic = figures
 
-    def resumed(self, checkpoint, world_size, previous_world_size):
+    def resumed(self, checkpoint: str, world_size: int, previous_world_size: Optional[int]) -> None:
         """A resume point, for the summary: where the run continued from a checkpoint, on how many ranks."""
         self.resumes.append({"epoch": self.epoch, "step": self.step, "world_size": world_size,
                              "previous_world_size": previous_world_size, "checkpoint": checkpoint,
                              "time": time.time()})
 
-    def tracked_as(self, ids):
+    def tracked_as(self, ids: dict[str, str]) -> None:
         """The experiment trackers' run ids (hvd_train/run/tracking.py), which the checkpoints keep."""
         self.tracking.update(ids)
 
-    def checkpoint_fields(self):
+    def checkpoint_fields(self) -> dict[str, Any]:
         fields = {name: getattr(self, name) for name in self.CHECKPOINTED}
         # The records keep their epoch's slowest rank; every rank's figures, a list as long as the job is wide,
         # go into one account of the run, so a checkpoint grows with the epochs by a few values only.
@@ -176,12 +184,12 @@ class RunState:
         fields["timing"] = self.run_timing()
         return fields
 
-    def run_timing(self):
+    def run_timing(self) -> Optional[dict[str, Any]]:
         """Every rank's step time by phase over the whole run (resumes included), and the slowest rank."""
         accounts = [r["timing"] for r in self.history if "ranks" in r.get("timing", {})]
         return over_run([a for a in (self.timing_before, *accounts) if a])
 
-    def add(self, task, record):
+    def add(self, task: "RunTask", record: dict[str, Any]) -> bool:
         """Record a finished epoch; returns whether it set a new best. An elastic reset rolls training back to its
         last commit, which may lie before the end of an epoch that was already closed: that epoch then ends again
         and replaces its first record (and the best metric, where that came from it)."""
@@ -196,18 +204,18 @@ class RunState:
         self.epoch = epoch
         return self._consider(task, record)
 
-    def _consider(self, task, record):
+    def _consider(self, task: "RunTask", record: dict[str, Any]) -> bool:
         value, weights = candidate(task, record)
         better = improved(task, value, self.best_metric)
         if better:
             self.best_metric, self.best_epoch, self.best_weights = value, record["epoch"], weights
         return better
 
-    def waited(self):
+    def waited(self) -> int:
         """Epochs since the best one (for --patience)."""
         return self.epoch - self.best_epoch if self.best_epoch is not None else 0
 
-    def best_epochs(self, task, count):
+    def best_epochs(self, task: "RunTask", count: int) -> list[int]:
         """The `count` best epochs of the history by the task's best metric, best first (--checkpoint-hist)."""
         ranked = sorted(self.history, key=lambda r: candidate(task, r)[0], reverse=task.best_mode == "max")
         return [r["epoch"] for r in ranked[:count]]
@@ -228,10 +236,10 @@ class AfterEpoch:
     """What follows each epoch on every rank: the run state, the reports, and the checkpoint (a collective).
     Called with the epoch's record; returns true when the --stop-at target is reached, which ends training."""
 
-    def __init__(self, cfg, trainer, state, outputs):
+    def __init__(self, cfg: "Config", trainer: "Trainer", state: RunState, outputs: Outputs) -> None:
         self.cfg, self.trainer, self.state, self.out = cfg, trainer, state, outputs
 
-    def __call__(self, epoch, record):
+    def __call__(self, epoch: int, record: dict[str, Any]) -> bool:
         # An epoch whose steps are done is closed whole: a Ctrl-C or SIGTERM from here on takes effect once its
         # record and checkpoint are written, so "at the end of epoch N" always names epoch N's checkpoint.
         with interrupt.protected():
@@ -239,7 +247,7 @@ class AfterEpoch:
         interrupt.check()  # a signal that came meanwhile
         return stop
 
-    def close(self, epoch, record):
+    def close(self, epoch: int, record: dict[str, Any]) -> bool:
         cfg, task = self.cfg, self.trainer.task
         # Time to accuracy, counted from the start of the first process of the run (resumes included).
         record["wall_seconds"] = self.state.wall_seconds()
@@ -272,11 +280,11 @@ class AfterEpoch:
         self.state.closed(epoch, saved=payload is not None)
         return stop
 
-    def payload(self, weights=None, partial=None):
+    def payload(self, weights: Optional[str] = None, partial: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """The checkpoint: everything to continue the run; under --model-ema also the average ("ema": its state
         with its update count) and which of the two this epoch's validation preferred ("weights"), which the
         card repeats for predict and export. partial: where the epoch stands, for a checkpoint taken within one
-        (hvd_train/run/saves.py)."""
+        (hvd_train/run/checkpoint.py)."""
         t = self.trainer
         rng = hvd_utils.gather_objects(rng_state(), "rng_states")  # every rank's, in rank order
         payload = {"version": VERSION, "model": t.model.state_dict(),
@@ -293,7 +301,7 @@ class AfterEpoch:
                                        if t.ema is not None else []}
         return payload
 
-    def write(self, epoch, record, payload, is_best):
+    def write(self, epoch: int, record: dict[str, Any], payload: Optional[dict[str, Any]], is_best: bool) -> None:
         if payload is None:
             self.out.checkpointer.wait()  # an earlier epoch's record, which its checkpoint's writer adds, first
             self.out.reporter.epoch(record, committed=False)
@@ -304,7 +312,8 @@ class AfterEpoch:
                                    then=lambda: self.out.reporter.epoch(record, committed=True))
 
 
-def outputs_for(cfg, info, task, is_main, state=None, run_dir=None):
+def outputs_for(cfg: "Config", info: "DataInfo", task: "RunTask", is_main: bool, state: Optional[RunState] = None,
+                run_dir: Optional[RunDir] = None) -> Outputs:
     """Outputs of a run of `task` on data `info` into run_dir (the output directory's): rank 0 writes, the others'
     writers are off. `state`: the run state of a resumed run, whose records the reporter keeps (and those after its
     checkpoint it drops)."""

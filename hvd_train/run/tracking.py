@@ -20,11 +20,16 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
-from hvd_train.errors import CheckpointError
+from hvd_train.errors import CheckpointError, redact, redact_argument, split_credentials
 from hvd_train.files import no_link_below
 from hvd_train.run.directory import RunDir
-from hvd_train.uris import redact, redact_argument, split_credentials
+
+if TYPE_CHECKING:
+    from hvd_train.config import Config
+    from hvd_train.run.state import RunState
+    from hvd_utils import Runtime
 
 log = logging.getLogger("hvd_train")
 
@@ -36,23 +41,23 @@ PARAMS_PER_CALL = 100  # MLflow's limit per log_batch
 FINAL = ("best_", "final_", "train_samples_per_sec", "process_wall_seconds")  # the summary's numbers logged at the end
 
 
-def local_uri(output_dir):
+def local_uri(output_dir: str) -> str:
     """The MLflow store used without --mlflow-uri: a SQLite file in the output directory (`mlflow ui
     --backend-store-uri` opens it)."""
     return "sqlite:///" + os.path.abspath(RunDir(output_dir).mlflow_db)
 
 
-def local_mlflow(cfg):
+def local_mlflow(cfg: "Config") -> bool:
     """Whether the run logs to the MLflow store in its output directory (--mlflow without --mlflow-uri)."""
     return bool(cfg.logging.mlflow and not cfg.logging.mlflow_uri)
 
 
-def flatten(config):
+def flatten(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """{'optim.lr': 0.1, ...} from the nested config dict (a plug-in's argument mapping stays one value)."""
     return {f"{section}.{key}": value for section, fields in config.items() for key, value in fields.items()}
 
 
-def run_facts(rt):
+def run_facts(rt: "Runtime") -> dict[str, object]:
     return {"world_size": rt.size, "controller": rt.controller, "horovod_version": _version("horovod")}
 
 
@@ -60,23 +65,33 @@ class Tracker:
     """The rules every tracker follows; a subclass says how to start, send records, the summary and files, and end.
     `where` names the tracker in messages; `run_id` is set once its run exists."""
     where = ""
+    name: str  # the key of its run id in the run state (state.tracking)
+    run_id: Optional[str]
+    pending: list[dict[str, Any]]
+    failed: list[str]
+    # What a subclass defines:
+    send: Callable[[list[dict[str, Any]]], None]
+    send_summary: Callable[[dict[str, float], int], None]
+    send_file: Callable[[str], None]
+    end: Callable[[str], None]
 
-    def __init__(self, run_id):
+    def __init__(self, run_id: Optional[str]) -> None:
         self.run_id, self.pending, self.failed = run_id, [], []
         self.down = self.warned = False  # it failed once this run; that was said
 
-    def epoch(self, record, committed):
+    def epoch(self, record: dict[str, Any], committed: bool) -> None:
         """Keep the epoch's record; send what is committed (this epoch and those kept before it)."""
         self.pending.append(record)
         if committed:
             self._send_pending()
 
-    def _send_pending(self):
+    def _send_pending(self) -> None:
         if self.pending and self._call(f"the metrics of epoch(s) {_span([r['epoch'] for r in self.pending])}",
                                        lambda: self.send(self.pending)):
             self.pending = []
 
-    def finish(self, summary, files, status="FINISHED"):
+    def end_run(self, summary: Optional[dict[str, Any]], files: Iterable[Optional[str]],
+                status: str = "FINISHED") -> None:
         """The records still kept (a finished run), the summary's numbers and the files; then the run's status.
         Says what could not be sent."""
         if self.run_id is None:
@@ -96,7 +111,7 @@ class Tracker:
         if self.failed:
             log.warning("%s: not logged: %s", self.where, "; ".join(self.failed))
 
-    def _call(self, what, fn):
+    def _call(self, what: str, fn: Callable[..., object]) -> bool:
         """fn(), unless this tracker was found failing; the first failure is said, none stops training. Returns
         whether fn() succeeded."""
         if not self.down:
@@ -114,7 +129,7 @@ class Tracker:
         return False
 
 
-def with_credentials_in_env(uri):
+def with_credentials_in_env(uri: str) -> str:
     """The tracking URI without its user info, which moves to MLflow's own environment variables (a user and
     password to MLFLOW_TRACKING_USERNAME/PASSWORD, a lone token to MLFLOW_TRACKING_TOKEN; ones already set win), so
     the client authenticates while nothing the run stores or prints holds the secret."""
@@ -127,7 +142,7 @@ def with_credentials_in_env(uri):
     return clean
 
 
-def keeps_files_in(local, what, location):
+def keeps_files_in(local: Optional[RunDir], what: str, location: object) -> None:
     """An experiment or run of the output directory's store (`local`, a RunDir; None: a store of the user's
     --mlflow-uri) must keep its files in mlflow-artifacts/: MLflow writes them, and sends them with the user's
     credentials, wherever its artifact location says."""
@@ -139,7 +154,7 @@ def keeps_files_in(local, what, location):
 class MlflowTracker(Tracker):
     name = "mlflow"
 
-    def __init__(self, cfg, rt, run_id=None):
+    def __init__(self, cfg: "Config", rt: "Runtime", run_id: Optional[str] = None) -> None:
         super().__init__(run_id)
         for key, value in MLFLOW_CLIENT_SETTINGS.items():
             os.environ.setdefault(key, value)
@@ -147,7 +162,7 @@ class MlflowTracker(Tracker):
         self.where = f"MLflow ({redact(self.uri)})"
         self._call("the run's start", lambda: self.start(cfg, rt))
 
-    def start(self, cfg, rt):
+    def start(self, cfg: "Config", rt: "Runtime") -> None:
         from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
@@ -183,23 +198,23 @@ class MlflowTracker(Tracker):
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         log.info("MLflow: run %s in %s", self.run_id, redact(self.uri))
 
-    def send(self, records):
+    def send(self, records: list[dict[str, Any]]) -> None:
         from mlflow.entities import Metric
 
         stamp = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), stamp, r["epoch"]) for r in records
                                                     for k, v in r.items() if k != "epoch" and _number(v)])
 
-    def send_summary(self, values, step):
+    def send_summary(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         stamp = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), stamp, step) for k, v in values.items()])
 
-    def send_file(self, path):
+    def send_file(self, path: str) -> None:
         self.client.log_artifact(self.run_id, path)
 
-    def end(self, status):
+    def end(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status)
 
 
@@ -208,13 +223,13 @@ class WandbTracker(Tracker):
     nothing is sent over the network while training."""
     name = "wandb"
 
-    def __init__(self, cfg, rt, run_id=None):
+    def __init__(self, cfg: "Config", rt: "Runtime", run_id: Optional[str] = None) -> None:
         super().__init__(run_id)
         self.run_dir = RunDir(cfg.run.output_dir)
         self.where = f"W&B ({self.run_dir.wandb})"
         self._call("the run's start", lambda: self.start(cfg, rt))
 
-    def start(self, cfg, rt):
+    def start(self, cfg: "Config", rt: "Runtime") -> None:
         import wandb
 
         no_link_below(self.run_dir.root, self.run_dir.wandb)  # W&B writes into <dir>/wandb: the directory's own
@@ -234,41 +249,41 @@ class WandbTracker(Tracker):
         log.info("W&B: offline run %s in %s (upload it with: wandb sync %s)", run_id, self.run.dir,
                  os.path.dirname(self.run.dir))
 
-    def send(self, records):
+    def send(self, records: list[dict[str, Any]]) -> None:
         for r in records:
             self.run.log({k: v for k, v in r.items() if k != "epoch" and _number(v)}, step=r["epoch"])
 
-    def send_summary(self, values, step):
+    def send_summary(self, values: dict[str, float], step: int) -> None:
         self.run.summary.update(values)
 
-    def send_file(self, path):
+    def send_file(self, path: str) -> None:
         # A copy in the run's files/ (which `wandb sync` uploads): the output directory's files change on a resume.
         shutil.copy2(path, self.run.dir)
 
-    def end(self, status):
+    def end(self, status: str) -> None:
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
-def run_name(cfg):
+def run_name(cfg: "Config") -> str:
     return cfg.run.name or os.path.basename(os.path.abspath(cfg.run.output_dir))
 
 
-def _number(value):
+def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _span(epochs):
+def _span(epochs: list[int]) -> str:
     return f"{epochs[0]}-{epochs[-1]}" if len(epochs) > 1 else str(epochs[0])
 
 
-def _version(package):
+def _version(package: str) -> str:
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "unknown"
 
 
-def open_trackers(cfg, rt, state):
+def open_trackers(cfg: "Config", rt: "Runtime", state: "RunState") -> list[Tracker]:
     """The trackers this run logs to, on rank 0 (none elsewhere). They continue the runs whose ids the resumed
     checkpoint holds (state.tracking), and the state keeps their ids for the next checkpoints."""
     if not rt.is_main:

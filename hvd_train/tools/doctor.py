@@ -10,8 +10,11 @@ rank a host measures the allreduce bandwidth through Horovod (and, on GPUs, whic
 table, a fix under each problem; exit 1 when a job would fail (FAIL), 0 when it would run (WARN: it would, with
 something to look at).
 
-Here: the command, ssh to the hosts and the table; what a host's facts say (its rows) is
-hvd_train/tools/doctor_checks.py, the programs sent to the hosts hvd_train/tools/doctor_probes.py.
+Here: the command, ssh to the hosts and the table (Hosts, Report, main); the rows of one host's probe, each a result
+and a fix, from the facts the host sent and the facts of the host the doctor runs on (check_host, nvjpeg_check); and
+the programs sent to the hosts (PROBE, LISTEN, CONNECT), run with each host's Python and sent as text, so that
+nothing has to be installed there but Python itself. The bandwidth job and its rows are
+hvd_train/tools/doctor_network.py's.
 """
 import argparse
 import json
@@ -24,11 +27,10 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any, Optional, Sequence, Union, cast
 
 from hvd_train.hostfiles.validate import HostListError, parse, read_lines, resolve, windows_line_ending
 from hvd_train.tools import doctor_network
-from hvd_train.tools.doctor_checks import check_host
-from hvd_train.tools.doctor_probes import CONNECT, LISTEN, PROBE
 
 SSH_TIMEOUT = 60  # seconds for one ssh command: a host that does not answer within it is reported, not waited on
 ALLREDUCE_TIMEOUT = 600  # seconds for the bandwidth job: horovodrun starting every host, then a few seconds' work
@@ -37,11 +39,11 @@ ALLREDUCE_TIMEOUT = 600  # seconds for the bandwidth job: horovodrun starting ev
 class Hosts:
     """How to reach the hosts: ssh options as horovodrun takes them; the launcher's own names run without ssh."""
 
-    def __init__(self, args):
+    def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.local_names = {"localhost", "127.0.0.1", socket.gethostname()}
 
-    def command(self, host, code, *argv):
+    def command(self, host: str, code: str, *argv: object) -> list[str]:
         python = [self.args.python, "-c", code, *[str(a) for a in argv]]
         if host in self.local_names:
             return python
@@ -54,19 +56,19 @@ class Hosts:
             ssh += ["-i", self.args.ssh_identity_file]
         return ssh + ["--", host, shlex.join(python)]
 
-    def run(self, host, code, *argv):
+    def run(self, host: str, code: str, *argv: object) -> "subprocess.CompletedProcess[str]":
         return subprocess.run(self.command(host, code, *argv), capture_output=True, text=True, timeout=SSH_TIMEOUT,
                               stdin=subprocess.DEVNULL)
 
 
 class Report:
-    def __init__(self):
-        self.rows = []
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str, str, str]] = []
 
-    def add(self, host, check, status, detail, fix=""):
+    def add(self, host: str, check: str, status: str, detail: str, fix: str = "") -> None:
         self.rows.append((host, check, status, detail, fix))
 
-    def print(self):
+    def print(self) -> int:
         width = max(len(r[0]) for r in self.rows) + 2
         print(f"{'host':<{width}}{'check':<16}{'result':<8}detail")
         for host, check, status, detail, fix in self.rows:
@@ -80,22 +82,22 @@ class Report:
         return 1 if fails else 0
 
 
-def important(stderr):
+def important(stderr: str) -> list[str]:
     """What ssh said that matters: its warnings and its last words (a changed host key, a refused login)."""
     lines = [line.strip("@ \t") for line in stderr.strip().splitlines() if line.strip("@ \t")]
     warnings = [line for line in lines if "WARNING" in line.upper() or "IDENTIFICATION HAS CHANGED" in line]
     return list(dict.fromkeys(warnings[:2] + lines[-1:]))
 
 
-def read_port(proc, seconds):
+def read_port(proc: "subprocess.Popen[str]", seconds: float) -> Optional[int]:
     """The port a LISTEN program prints first, or None when it prints none within `seconds`."""
-    ready, _, _ = select.select([proc.stdout], [], [], seconds)
-    line = proc.stdout.readline().strip() if ready else ""
+    ready, _, _ = select.select([cast(IO[str], proc.stdout)], [], [], seconds)
+    line = cast(IO[str], proc.stdout).readline().strip() if ready else ""
     return int(line) if line.isdigit() else None
 
 
-def probe_all(hosts, names):
-    def probe(name):
+def probe_all(hosts: Hosts, names: list[str]) -> list[tuple[str, Optional[dict[str, Any]], str]]:
+    def probe(name: str) -> tuple[str, Optional[dict[str, Any]], str]:
         sent = time.time()
         try:
             proc = hosts.run(name, PROBE, hosts.args.output_dir)
@@ -116,10 +118,11 @@ def probe_all(hosts, names):
         return list(pool.map(probe, names))
 
 
-def check_links(report, hosts, reachable, args):
+def check_links(report: Report, hosts: Hosts, reachable: dict[str, dict[str, Any]],
+                args: argparse.Namespace) -> Optional[dict[str, Optional[str]]]:
     """Every host connects to every other one over TCP, on the interface (or the address its name resolves to).
     Returns each host's address when every host reached every other one, else None."""
-    def address(name, facts):
+    def address(name: str, facts: dict[str, Any]) -> Optional[str]:
         if args.network_interface:
             return (facts["interfaces"].get(args.network_interface) or [None])[0]
         try:
@@ -129,6 +132,7 @@ def check_links(report, hosts, reachable, args):
 
     targets = {name: address(name, facts) for name, facts in reachable.items()}
     listeners, ports, connected = {}, {}, True
+    proc: Union["subprocess.Popen[str]", "subprocess.CompletedProcess[str]"]
     try:
         for name, addr in targets.items():
             if addr is None:
@@ -165,14 +169,15 @@ def check_links(report, hosts, reachable, args):
     return targets if connected and len(ports) == len(reachable) else None
 
 
-def interface_of(facts, address, args):
+def interface_of(facts: dict[str, Any], address: Optional[str], args: argparse.Namespace) -> Optional[str]:
     """The interface the job's traffic leaves a host by: the one named, else the one holding its address."""
     if args.network_interface:
         return args.network_interface
     return next((name for name, addrs in facts["interfaces"].items() if address in addrs), None)
 
 
-def check_network(report, reachable, targets, args):
+def check_network(report: Report, reachable: dict[str, dict[str, Any]], targets: dict[str, Optional[str]],
+                  args: argparse.Namespace) -> None:
     """One rank a host allreduces through horovodrun with the job's controller: the bus bandwidth beside the
     links' nominal rate; on GPU hosts NCCL's log says which network it chose."""
     # The environment's own horovodrun first (a venv), then PATH's (pip's scripts beside another Python).
@@ -212,7 +217,7 @@ def check_network(report, reachable, targets, args):
                 {**facts["nccl_env"], **launcher}))
 
 
-def run_for_output(cmd, env):
+def run_for_output(cmd: list[str], env: dict[str, str]) -> tuple[str, bool]:
     """The command's output (stdout and stderr), and whether it ran past ALLREDUCE_TIMEOUT (then it is ended:
     SIGTERM, so that horovodrun ends its ranks, then SIGKILL)."""
     try:
@@ -232,7 +237,7 @@ def run_for_output(cmd, env):
         return output or "", True
 
 
-def parse_args(argv):
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hvd-train doctor", description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("-H", "--hosts", help="host:slots,... as horovodrun -H takes them")
@@ -246,7 +251,7 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def read_hosts(args):
+def read_hosts(args: argparse.Namespace) -> list[tuple[str, int]]:
     if args.hosts:
         lines, source = args.hosts.split(","), "-H"
     else:
@@ -265,7 +270,7 @@ def read_hosts(args):
     return hosts
 
 
-def main(argv):
+def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     # horovodrun starts the ranks in the launcher's directory on every host: a relative path means the same there.
     args.output_dir = os.path.abspath(args.output_dir)
@@ -309,6 +314,214 @@ def main(argv):
           + (f", interface {args.network_interface}" if args.network_interface else "")
           + f", controller {'Gloo' if args.gloo else 'MPI'}\n")
     return report.print()
+
+
+def jpeg_engines(capability: tuple[int, ...]) -> Optional[bool]:
+    """Whether a GPU of this compute capability has hardware JPEG decoders (nvJPEG's NVJPEG_BACKEND_HARDWARE, which
+    torchvision's decode_jpeg on CUDA tries first and leaves for the CUDA cores where nvjpegCreateEx says
+    NVJPEG_STATUS_ARCH_MISMATCH); None for an architecture newer than this list.
+
+    The list is NVIDIA's (nvJPEG documentation, "Hardware Acceleration": Ampere A100 and A30, Hopper, Ada,
+    Blackwell, Jetson Thor): sm_80 is A100/A30 alone among Ampere (sm_86 and sm_87, A10, A40, RTX 30, Jetson Orin,
+    have none), sm_89 Ada (L4, L40, L40S), sm_90 Hopper (H100, H200, GH200), sm_100 to sm_121 Blackwell (B200,
+    GB200, B300, Jetson Thor, RTX PRO 6000). Volta and Turing (V100, T4) and older have none."""
+    major, minor = capability
+    if major > 12:
+        return None
+    return (major, minor) in ((8, 0), (8, 9)) or major >= 9
+
+
+def nvjpeg_check(gpu_name: str, capability: Sequence[int], driver_capabilities: Optional[str],
+                 video_library: bool) -> tuple[str, str, str]:
+    """The nvjpeg row, (status, detail, fix), from the GPU's name and compute capability, the container's
+    NVIDIA_DRIVER_CAPABILITIES (None where unset: not started by the NVIDIA Container Toolkit, or no container) and
+    whether the driver's video decode library (libnvcuvid.so.1) loads.
+
+    nvJPEG's hardware backend needs the driver's `video` capability (NVIDIA's answers in CUDALibrarySamples#132 and
+    nvImageCodec#26): without it the backend is refused and decode_jpeg silently decodes on the CUDA cores. For that
+    capability the NVIDIA Container Toolkit mounts the driver's video libraries (libnvcuvid, libnvidia-encode,
+    libnvidia-opticalflow, libvdpau_nvidia); libnvcuvid.so.1 loading is taken as the sign that they are there, which
+    is what counts. The variable only explains why they are not (and may differ from what the toolkit read:
+    docker run --gpus 'all,"capabilities=..."' appends a second one)."""
+    sm = f"sm_{capability[0]}{capability[1]}"
+    engines = jpeg_engines(tuple(capability))
+    fallback = "--data.decode gpu decodes on the CUDA cores"
+    if engines is False:
+        return "ok", f"no hardware decoder: the {gpu_name} ({sm}) has no hardware JPEG engine; {fallback}", ""
+    if engines is None:
+        return "ok", (f"hardware decoder unknown: the {gpu_name} ({sm}) is newer than the GPUs this check knows; the "
+                      f"driver's video libraries are {'present' if video_library else 'missing'}"), ""
+    if video_library:
+        mig = (" if this MIG instance's profile has JPEG engines (nvidia-smi mig -lgip)"
+               if "MIG" in gpu_name.split() else "")
+        return "ok", f"hardware decoder available{mig} ({gpu_name}; driver video libraries present)", ""
+    caps = None if driver_capabilities is None else {c.strip() for c in driver_capabilities.split(",")}
+    if caps is not None and not caps & {"video", "all"}:
+        return ("WARN", f"hardware decoder not available: this container lacks the driver's video capability "
+                f"(NVIDIA_DRIVER_CAPABILITIES={driver_capabilities}); {fallback}",
+                "run the image with --gpus all and NVIDIA_DRIVER_CAPABILITIES including video (docker/README.md)")
+    if caps is not None:
+        return ("WARN", f"hardware decoder not available: NVIDIA_DRIVER_CAPABILITIES={driver_capabilities} names "
+                f"video, but the driver's libnvcuvid.so.1 does not load; {fallback}",
+                "the host's driver lacks its video libraries (Debian/Ubuntu: libnvidia-decode-<driver branch>), or the "
+                "container was not started through the NVIDIA Container Toolkit (docker run --gpus all)")
+    return ("WARN", f"hardware decoder not available: the driver's libnvcuvid.so.1 does not load; {fallback}",
+            "install the driver's video decode library (Debian/Ubuntu: libnvidia-decode-<driver branch>); in a "
+            "container, give it the video driver capability (docker/README.md)")
+
+
+def check_host(report: Report, name: str, slots: int, facts: dict[str, Any], reference: dict[str, Any],
+               args: argparse.Namespace) -> None:
+    versions = {k: facts[k] for k in ("python", "torch", "horovod", "hvd-train")}
+    differ = [f"{k} {versions[k]} (here {reference[k]})" for k in versions if versions[k] != reference[k]]
+    report.add(name, "versions", "FAIL" if differ else "ok",
+               "; ".join(differ) if differ else ", ".join(f"{k} {v}" for k, v in versions.items()),
+               "install the same versions on every host (scripts/install.sh from the same checkout, or one image)"
+               if differ else "")
+    build = facts["build"]
+    if "error" in build:
+        report.add(name, "horovod build", "FAIL", build["error"], "run scripts/install.sh on this host")
+    else:
+        has = ", ".join(k for k, v in build.items() if v) or "nothing"
+        missing = "MPI" if not (args.gloo or build["MPI"]) else ("Gloo" if args.gloo and not build["Gloo"] else "")
+        report.add(name, "horovod build", "FAIL" if missing else "ok", has + (f"; no {missing}" if missing else ""),
+                   f"rebuild Horovod with {missing} (scripts/install.sh), or launch with "
+                   f"{'--mpi' if missing == 'Gloo' else '--gloo'}" if missing else "")
+        if facts["gpus"] and not build["NCCL"]:
+            report.add(name, "nccl", "WARN", f"{facts['gpus']} GPU(s) but Horovod has no NCCL: gradients go "
+                       "through host memory", "scripts/install.sh --gpu")
+    if args.network_interface:
+        addresses = facts["interfaces"].get(args.network_interface)
+        report.add(name, "interface", "ok" if addresses else "FAIL",
+                   f"{args.network_interface} {', '.join(addresses)}" if addresses else
+                   f"no interface {args.network_interface} with an IPv4 address (it has "
+                   f"{', '.join(sorted(facts['interfaces']))})",
+                   "" if addresses else "name an interface every host has (--network-interface), e.g. the one "
+                   "of the address the host names resolve to")
+    resolved = facts["resolves_to"] or ""
+    # Only matters between hosts: a job on one host talks over loopback anyway.
+    loopback = resolved.startswith("127.") and args.multi_host
+    report.add(name, "hostname", "WARN" if loopback or not resolved else "ok",
+               f"{facts['hostname']} resolves to {resolved or 'nothing'}"
+               + (" (loopback)" if resolved.startswith("127.") else ""),
+               f"map {facts['hostname']} to this host's network address in /etc/hosts; until then pass "
+               f"--network-interface to horovodrun (hvd-train's Horovod build then ignores the hostname; a stock "
+               f"Horovod's Gloo aborts with 'connect [127.0.0.1]')" if loopback or not resolved else "")
+    gpus = facts["gpus"]
+    if gpus:
+        status = "FAIL" if slots > gpus else ("WARN" if slots < gpus else "ok")
+        report.add(name, "slots", status, f"{slots} slot(s), {gpus} GPU(s)",
+                   {"FAIL": f"{name}:{gpus}: one rank per GPU (ranks would share a GPU)",
+                    "WARN": f"{name}:{gpus} uses every GPU"}.get(status, ""))
+        if facts.get("gpu_model"):
+            report.add(name, "nvjpeg", *nvjpeg_check(  # type: ignore[call-arg]
+                *facts["gpu_model"], facts["driver_capabilities"], facts["video_library"]))
+    else:
+        cpus = facts.get("cpus") or 0
+        over = slots > cpus > 0
+        report.add(name, "slots", "WARN" if over else "ok", f"{slots} slot(s), no GPU, {cpus} CPU core(s)",
+                   f"{name}:{cpus} at most: more CPU ranks than cores share them, and every step waits for the "
+                   f"slowest rank" if over else "")
+    if not args.gloo:
+        report.add(name, "mpirun", "ok" if facts["mpirun"] else "FAIL",
+                   facts["mpirun"] or "not in the environment nor on PATH",
+                   "" if facts["mpirun"] else "set up the environment on every host (scripts/install.sh installs an "
+                   "MPI), or launch with horovodrun --gloo")
+    skew = facts["skew"]
+    report.add(name, "clock", "WARN" if abs(skew) > 2 else "ok", f"{skew:+.1f} s against this host",
+               "run NTP/chrony on every host: logs and timelines are compared across hosts" if abs(skew) > 2 else "")
+    free = facts["disk_free"] / 2**30
+    bad = not facts["disk_writable"] or free < 1
+    report.add(name, "disk", "FAIL" if bad else "ok",
+               f"{free:.1f} GiB free in {facts['disk_path']}" + ("" if facts["disk_writable"] else ", not writable"),
+               "free space, or give --output-dir a writable directory with room for checkpoints" if bad else "")
+
+
+# Runs on every host (stdin of `python -`): one JSON line of facts, nothing that needs Horovod to be initialised.
+PROBE = r"""
+import json, os, platform, shutil, socket, sys, time
+from importlib import metadata
+facts = {"python": platform.python_version(), "time": time.time(), "hostname": socket.gethostname()}
+for dist in ("torch", "horovod", "hvd-train"):
+    try:
+        facts[dist] = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        facts[dist] = None
+try:
+    facts["resolves_to"] = socket.gethostbyname(socket.gethostname())
+except OSError:
+    facts["resolves_to"] = None
+import psutil
+facts["interfaces"] = {name: [a.address for a in addrs if a.family == socket.AF_INET]
+                       for name, addrs in psutil.net_if_addrs().items()}
+# A link's rate in Mb/s as its driver reports it; None for a virtual interface (veth, a bridge, loopback: no device
+# behind it, and a made-up speed) or one whose rate is unknown.
+def nominal_mbit(name):
+    if not os.path.exists(f"/sys/class/net/{name}/device"):
+        return None
+    try:
+        with open(f"/sys/class/net/{name}/speed") as f:
+            speed = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return speed if speed > 0 else None
+facts["link_mbit"] = {name: nominal_mbit(name) for name in facts["interfaces"]}
+ib = "/sys/class/infiniband"
+facts["infiniband"] = sorted(os.listdir(ib)) if os.path.isdir(ib) else []
+facts["nccl_env"] = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+try:
+    import horovod.torch as hvd
+    facts["build"] = {"MPI": hvd.mpi_built(), "Gloo": hvd.gloo_built(), "NCCL": hvd.nccl_built() > 0}
+except Exception as e:
+    facts["build"] = {"error": f"{type(e).__name__}: {e}"}
+import torch
+facts["gpus"] = torch.cuda.device_count()
+# For the nvjpeg row: the first GPU's model, whether the driver's video decode library loads (what a container's
+# `video` driver capability mounts; nvJPEG's hardware backend needs it), and the capabilities the container asked for.
+facts["gpu_model"] = None
+if facts["gpus"]:
+    try:
+        facts["gpu_model"] = [torch.cuda.get_device_name(0), list(torch.cuda.get_device_capability(0))]
+    except Exception:
+        pass
+import ctypes
+try:
+    ctypes.CDLL("libnvcuvid.so.1")
+    facts["video_library"] = True
+except OSError:
+    facts["video_library"] = False
+facts["driver_capabilities"] = os.environ.get("NVIDIA_DRIVER_CAPABILITIES")
+facts["cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+# The environment's own mpirun first (an MPI setup installed from PyPI), as horovodrun runs it, then PATH's.
+facts["mpirun"] = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
+path = os.path.abspath(sys.argv[1])
+while not os.path.exists(path):
+    path = os.path.dirname(path)
+facts["disk_path"], facts["disk_free"] = path, shutil.disk_usage(path).free
+facts["disk_writable"] = os.access(path, os.W_OK)
+print(json.dumps(facts))
+"""
+
+# Listens on one address until stdin closes; prints its port first.
+LISTEN = r"""
+import socket, sys, threading
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(64)
+print(s.getsockname()[1], flush=True)
+threading.Thread(target=lambda: [s.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
+sys.stdin.read()
+"""
+
+# Connects to every (name, address, port) given as JSON; prints which failed and why.
+CONNECT = r"""
+import json, socket, sys
+failed = {}
+for name, address, port in json.loads(sys.argv[1]):
+    try:
+        socket.create_connection((address, port), timeout=10).close()
+    except OSError as e:
+        failed[name] = f"{address}:{port}: {e.strerror or e}"
+print(json.dumps(failed))
+"""
 
 
 if __name__ == "__main__":

@@ -14,8 +14,12 @@ import re
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 START_BYTES, MAX_BYTES = 1 << 20, 256 << 20
 LONG_ENOUGH_S = 0.5  # one allreduce this long is timed well by the clock, on any link
@@ -29,7 +33,7 @@ NCCL_NETWORK = re.compile(r"^(?:\[[\d,]+\](?:<std\w+>)?:?\s*)?(?P<host>[^\s:]+):
                           r"network (?P<net>[^\r\n]+?)\s*$", re.M)
 
 
-def measure():
+def measure_links() -> None:
     import hvd_utils
 
     hvd_utils.start()
@@ -53,7 +57,7 @@ def measure():
     hvd_utils.shutdown()
 
 
-def timed(hvd_utils, tensor):
+def timed(hvd_utils: "ModuleType", tensor: torch.Tensor) -> float:
     """Seconds for one allreduce of `tensor`, the same on every rank (the slowest rank's)."""
     if tensor.is_cuda:
         torch.cuda.synchronize()
@@ -64,7 +68,7 @@ def timed(hvd_utils, tensor):
     return max(seconds for seconds, in hvd_utils.gather_floats([time.perf_counter() - start], name="doctor.seconds"))
 
 
-def read_result(output):
+def read_result(output: str) -> Optional[dict[str, Any]]:
     """The figures rank 0 printed, or None. (mpirun may run another rank's output into the same line: the object is
     read up to its end.)"""
     for line in output.splitlines():
@@ -85,17 +89,17 @@ def read_result(output):
     return None
 
 
-def nccl_networks(output):
+def nccl_networks(output: str) -> dict[str, str]:
     """{host (up to its first dot): the network NCCL said it uses there ("IB", "Socket", a plug-in's name)} from
     NCCL_DEBUG=INFO's log."""
     return {m["host"].split(".")[0]: m["net"] for m in NCCL_NETWORK.finditer(output)}
 
 
-def rate(bits_per_s):
+def rate(bits_per_s: float) -> str:
     return f"{bits_per_s / 1e9:.2f} Gb/s" if bits_per_s >= 1e9 else f"{bits_per_s / 1e6:.1f} Mb/s"
 
 
-def bandwidth_row(result, speeds_mbit):
+def bandwidth_row(result: dict[str, Any], speeds_mbit: Sequence[Optional[float]]) -> tuple[str, str, str]:
     """(status, detail, fix) of the allreduce row: `speeds_mbit` are the hosts' nominal link rates (Mb/s), None
     where a host's could not be read."""
     bits = result["busbw"] * 8
@@ -113,7 +117,8 @@ def bandwidth_row(result, speeds_mbit):
             "row; a communication-bound job then gains from --bf16-allreduce and --batches-per-allreduce")
 
 
-def nccl_row(host, network, infiniband, environment):
+def nccl_row(host: str, network: Optional[str], infiniband: list[str],
+             environment: dict[str, str]) -> tuple[str, str, str]:
     """(status, detail, fix) of a GPU host's nccl transport row: `infiniband` lists its /sys/class/infiniband
     devices, `environment` its NCCL_* variables."""
     if network is None:
@@ -132,4 +137,4 @@ def nccl_row(host, network, infiniband, environment):
 
 
 if __name__ == "__main__":
-    sys.exit(measure())
+    sys.exit(measure_links())  # type: ignore[func-returns-value]

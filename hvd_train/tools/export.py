@@ -4,42 +4,51 @@
     hvd-train export runs/cifar10/checkpoints/epoch_0010.pt --format safetensors --out model.safetensors
 
 Every export gets a JSON file beside it (model.onnx.json): the model card (hvd_train/run/model_card.py: what rebuilds
-the model, its classes, the preprocessing it expects) and the parity check. The check runs the exported model and the
-PyTorch model on a batch of the run's own validation samples (read from the data set the checkpoint's config names;
---data-dir where it moved) and compares every output within the format's tolerance. An export that fails the check
-is not kept.
+the model, its classes, the preprocessing it expects), what the file takes as input, and the parity check. The check
+runs the exported model and the PyTorch model on a batch of the run's own validation samples (read from the data set
+the checkpoint's config names; --data-dir where it moved) and compares every output within the format's tolerance.
+An export that fails the check is not kept.
+
+The formats: safetensors (the weights), TorchScript (traced) and ONNX (torch.export's graph, its inputs and free
+axes named: "batch", and "sequence" for a sequence's length). A model that cannot be written is one ExportError
+naming the layer or the operator.
 """
 import argparse
+import contextlib
 import inspect
+import io
 import os
+import re
 import sys
+import warnings
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 import torch
 from torch.utils.data import default_collate
 
-from hvd_train.data import FROM_FILES, DataError
-from hvd_train.data.shard_index import ShardSet
-from hvd_train.data.shards import first_batch
 from hvd_train.config import config_from_dict
-from hvd_train.errors import CheckpointError, ConfigError, say
+from hvd_train.data import FROM_FILES, DataError
+from hvd_train.data.shards import ShardSet, first_batch
+from hvd_train.errors import CheckpointError, ConfigError, redact_all, say
 from hvd_train.files import no_link_below, temporary_beside, with_run_mode, write_json
-from hvd_train.gate import settings
-from hvd_train.feed import Feed, image_figures
-from hvd_train.tools.export_formats import (ExportError, described_inputs, write_onnx, write_safetensors,
-                                            write_torchscript)
-from hvd_train.tools.inference import FORMATS, SIDECAR, ModelInputs, export_runner, load_trained, outputs
+from hvd_train.config.loading import settings
+from hvd_train.provenance import TRUST_FLAG, refuse_code_from
+from hvd_train.run.checkpoint import find_checkpoint
 from hvd_train.run.directory import RunDir
-from hvd_train.run.resume import find_checkpoint
-from hvd_train.trust import TRUST_FLAG, refuse_code_from
-from hvd_train.uris import redact_all
+from hvd_train.tools.inference import FORMATS, SIDECAR, ModelInputs, export_runner, load_trained, outputs
+from hvd_train.trainer import Feed, image_figures
+
+if TYPE_CHECKING:
+    from hvd_train.run.model_card import ModelCard
+    from hvd_train.tasks import RunTask
 
 # Suffix of each format's file, and its tolerance (absolute, relative): safetensors holds the weights themselves, so
 # the rebuilt model must agree exactly; TorchScript runs the same kernels; onnxruntime has kernels of its own.
 TOLERANCE = {"safetensors": (0.0, 0.0), "torchscript": (1e-5, 1e-5), "onnx": (1e-4, 1e-3)}
 
 
-def parse_args(argv):
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hvd-train export", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,7 +68,7 @@ def parse_args(argv):
     return args
 
 
-def default_out(checkpoint_path, fmt):
+def default_out(checkpoint_path: str, fmt: str) -> str:
     folder = os.path.dirname(os.path.abspath(checkpoint_path))
     run_dir = os.path.dirname(folder) if os.path.basename(folder) == RunDir.CHECKPOINTS else folder
     return RunDir(run_dir).exported(FORMATS[fmt])
@@ -71,7 +80,8 @@ class Batch:
     described: str  # where the samples come from, for the printed check
 
 
-def validation_batch(ckpt, model, count, data_dir, where, trusted):
+def validation_batch(ckpt: dict[str, Any], model: torch.nn.Module, count: int, data_dir: str, where: str,
+                     trusted: bool) -> Batch:
     """The model's input for the first `count` validation samples of the run's data set, as the run's validation
     fed them: the samples collated as the loader collates them (tuples, dicts, nested), then given to the run's task,
     whose call of the model is captured. The data set and task are rebuilt from the checkpoint's stored config, which
@@ -88,7 +98,7 @@ def validation_batch(ckpt, model, count, data_dir, where, trusted):
     data = replace(cfg.data, download=False, workers=0, data_dir=data_dir or cfg.data.data_dir)
     cfg = replace(cfg, data=data)
     try:
-        from hvd_train.build import build_task, prepare_data
+        from hvd_train.training import build_task, prepare_data
 
         _, val_set, info = prepare_data(cfg)
         task = build_task(cfg, info)
@@ -111,13 +121,13 @@ def validation_batch(ckpt, model, count, data_dir, where, trusted):
     return Batch(inputs, f"{count} validation samples of {cfg.data.dataset}{where}")
 
 
-def model_input(model, task, batch):
+def model_input(model: torch.nn.Module, task: "RunTask", batch: Any) -> ModelInputs:
     """The ModelInputs the task hands the model for `batch` (captured in a forward pre-hook, the task run without
     gradients): every tensor by the name of the forward's parameter it fills. A single batch of images is called
     "images", as exports have always named it; anything but tensors is refused by name."""
     seen = []
 
-    def capture(module, args, kwargs):
+    def capture(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
         seen.append((args, kwargs))
         raise _Captured()
 
@@ -155,7 +165,7 @@ def model_input(model, task, batch):
     return ModelInputs(named, keywords)
 
 
-def images_like(tensor):
+def images_like(tensor: torch.Tensor) -> bool:
     """A batch of images: floating point, (N, C, H, W)."""
     return tensor.is_floating_point() and tensor.dim() == 4
 
@@ -164,7 +174,8 @@ class _Captured(Exception):
     """Stops the task once the model's input is known: the forward itself is not needed."""
 
 
-def parity(fmt, path, card, model, batch):
+def parity(fmt: str, path: str, card: "ModelCard", model: torch.nn.Module,
+           batch: Batch) -> tuple[float, bool, Optional[int]]:
     """(max |exported - pytorch| over every output, whether within tolerance, top-1 agreement or None)."""
     run = export_runner(path, fmt, card, trusted=True)  # the file just written, of a model already checked
     with torch.no_grad():
@@ -181,7 +192,7 @@ def parity(fmt, path, card, model, batch):
     return worst, ok, agree
 
 
-def export(args):
+def export(args: argparse.Namespace) -> int:
     path = find_checkpoint(args.source)
     model, card, ckpt = load_trained(path, args.trust_code)
     out = args.out or default_out(path, args.format)
@@ -225,13 +236,174 @@ def export(args):
     return 0
 
 
-def main(argv):
+def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     try:
         return export(args)
     except (CheckpointError, ConfigError, ExportError) as e:
         say(f"hvd-train export: error: {e}")
         return 2
+
+
+class ExportError(Exception):
+    """This model cannot be written in the format asked: the message names the layer or operator."""
+
+
+@contextlib.contextmanager
+def layer_on_error(model: torch.nn.Module) -> Iterator[dict[str, Optional[str]]]:
+    """On an exception inside the model's forward, add the innermost layer that was running to it (.layer)."""
+    seen: dict[str, Optional[str]]
+    stack, seen = [], {}
+
+    def enter(name: str) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
+        return lambda module, args: stack.append(name)
+
+    def leave(module: torch.nn.Module, args: tuple[Any, ...], result: Any) -> None:
+        if stack:
+            stack.pop()
+
+    handles = []
+    for name, module in model.named_modules():
+        handles += [module.register_forward_pre_hook(enter(name or "(the model)")), module.register_forward_hook(leave)]
+    try:
+        yield seen
+    except Exception as e:
+        seen["layer"] = stack[-1] if stack else None
+        raise e
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _layer_of(model: torch.nn.Module, name: Optional[str]) -> str:
+    if name in (None, "(the model)", ""):
+        return f"the model ({type(model).__name__})"
+    try:
+        return f"layer '{name}' ({type(model.get_submodule(name)).__name__})"
+    except AttributeError:
+        return f"layer '{name}'"
+
+
+def _failure(fmt: str, what: str, e: BaseException) -> ExportError:
+    first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return ExportError(f"cannot export to {fmt}: {what}: {type(e).__name__}: {first[:300]}; choose another "
+                       f"--format (safetensors always works), or change that part of the model")
+
+
+def write_torchscript(model: torch.nn.Module, inputs: ModelInputs, path: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation and tracer notes
+        try:
+            with layer_on_error(model) as seen:
+                # strict=False: a model may return a dict or an output object (HuggingFace's), traced as a dict.
+                if inputs.keywords:
+                    traced = torch.jit.trace(model, example_kwarg_inputs=inputs.tensors, check_trace=False,
+                                             strict=False)
+                else:
+                    traced = torch.jit.trace(model, tuple(inputs.tensors.values()), check_trace=False,
+                                             strict=False)
+        except Exception as e:
+            raise _failure("torchscript", f"{_layer_of(model, seen.get('layer'))} could not be traced", e) from None
+        torch.jit.save(traced, path)
+
+
+def write_onnx(model: torch.nn.Module, inputs: ModelInputs, path: str) -> None:
+    """torch.export's graph of the model (the batch axis free, and a sequence's length where the model allows it),
+    converted to ONNX with each input named. A failure names the layer (from the graph node's module stack) and the
+    operator ONNX lacks."""
+    dims = free_dims(inputs)
+    args, kwargs = ((), inputs.tensors) if inputs.keywords else (tuple(inputs.tensors.values()), {})
+    shapes = dims if inputs.keywords else tuple(dims.values())
+    try:
+        with layer_on_error(model) as seen:
+            program = torch.export.export(model, args, kwargs, dynamic_shapes=shapes)
+    except Exception as e:
+        raise _failure("onnx", f"{_layer_of(model, seen.get('layer'))} could not be captured by torch.export",
+                       e) from None
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(program, args, path, kwargs=kwargs, dynamo=True, input_names=list(inputs.tensors),
+                              external_data=False)
+    except Exception as e:
+        raise _onnx_failure(model, program, e) from None
+    name_free_axes(path)
+
+
+def free_dims(inputs: ModelInputs) -> dict[str, dict[int, Any]]:
+    """{input: {axis: Dim}}: the batch axis of every input is one free dimension; the second axis of a 2-d input (a
+    sequence of token ids, its mask) is left to torch.export (Dim.AUTO), free unless the model fixes its length."""
+    batch = torch.export.Dim("batch")
+    return {name: {0: batch, **({1: torch.export.Dim.AUTO} if t.dim() == 2 else {})}
+            for name, t in inputs.tensors.items()}
+
+
+# What the free axes are called in the ONNX graph, by the axis they were found on (torch.export names them s77, s12).
+AXIS_NAMES = ("batch", "sequence")
+
+
+def name_free_axes(path: str) -> None:
+    """torch.export names each free axis with a symbol; tools show names, so the batch axis is called "batch" and a
+    sequence's "sequence" (where inputs differ in length, sequence_2, ...)."""
+    import onnx
+
+    graph = onnx.load(path)
+    names: dict[str, str] = {}
+    for value in graph.graph.input:
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.dim_param and dim.dim_param not in names:
+                base = AXIS_NAMES[min(axis, 1)]
+                taken = sum(n.startswith(base) for n in names.values())
+                names[dim.dim_param] = base if not taken else f"{base}_{taken + 1}"
+    if not names:
+        return
+    for value in [*graph.graph.input, *graph.graph.output, *graph.graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in names:
+                dim.dim_param = names[dim.dim_param]
+    onnx.save(graph, path)
+
+
+def described_inputs(fmt: str, path: str, inputs: ModelInputs) -> list[dict[str, Any]]:
+    """The sidecar's record of each input: name, shape (a free axis by its name) and dtype. ONNX's come from the
+    graph written; the other formats take the inputs as the model does, with the batch axis free."""
+    if fmt == "onnx":
+        import onnx
+        from onnx.helper import tensor_dtype_to_np_dtype
+
+        graph = onnx.load(path, load_external_data=False).graph
+        return [{"name": v.name, "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
+                 "dtype": str(tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type))} for v in graph.input]
+    return [{"name": name, "shape": ["batch", *t.shape[1:]], "dtype": str(t.dtype).removeprefix("torch.")}
+            for name, t in inputs.tensors.items()]
+
+
+def _onnx_failure(model: torch.nn.Module, program: "torch.export.ExportedProgram",
+                  e: BaseException) -> ExportError:
+    text = str(e)
+    op = re.search(r"aten[.:]{1,2}([A-Za-z0-9_]+)", text)
+    if not op:
+        return _failure("onnx", "the conversion failed", e)
+    layer = None
+    try:  # the exporter's own decompositions name the operator; the same decompositions find its node
+        graph = program.run_decompositions().graph
+    except Exception:
+        graph = program.graph
+    for node in graph.nodes:
+        if f".{op.group(1)}." in f".{node.target}" and node.meta.get("nn_module_stack"):
+            layer = list(node.meta["nn_module_stack"].values())[-1][0]
+            break
+    where = _layer_of(model, layer)
+    return ExportError(f"cannot export to onnx: {where} uses the operator aten.{op.group(1)}, which has no ONNX "
+                       f"conversion; choose another --format (safetensors always works), or replace that operation")
+
+
+def write_safetensors(model: torch.nn.Module, path: str) -> None:
+    from safetensors.torch import save_file
+
+    # safetensors refuses tensors that share memory: each is written as its own contiguous copy.
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, path)
 
 
 if __name__ == "__main__":

@@ -5,14 +5,14 @@ import os
 import warnings
 import zipfile
 from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from hvd_train.errors import CheckpointError
-from hvd_train.gate import RecordError, plain
+from hvd_train.provenance import TRUST_FLAG, RecordError, plain
+from hvd_train.run.checkpoint import find_checkpoint, load
 from hvd_train.run.model_card import ModelCard, card_of_checkpoint
-from hvd_train.run import resume
-from hvd_train.trust import TRUST_FLAG
 from hvd_train.weights import SAFETENSORS_HEADER_MAX, safetensors_problem
 
 SIDECAR = ".json"  # model.onnx -> model.onnx.json: the card and the parity check, beside every export
@@ -27,11 +27,11 @@ ONNX_BYTES_PER_INPUT_BYTE = 64
 ONNX_MEMORY_FLOOR = 256 * 2**20
 
 
-def load_trained(source, trusted=False):
+def load_trained(source: str, trusted: bool = False) -> tuple[torch.nn.Module, ModelCard, dict[str, Any]]:
     """(model on the CPU in eval mode with the weights of the checkpoint `source` names (a file, or a run
     directory's best.pt), its ModelCard, the checkpoint). trusted: --trust-code, which lets the card name code."""
-    path = resume.find_checkpoint(source)
-    ckpt = resume.load(path)
+    path = find_checkpoint(source)
+    ckpt = load(path)
     card = card_of_checkpoint(ckpt, path)
     card.check_code(f"{path} (its model card)", trusted)
     weights = chosen_weights(ckpt)
@@ -46,10 +46,10 @@ def load_trained(source, trusted=False):
     return model, card, ckpt
 
 
-AVERAGE = "average.module."  # the averaged model's keys in a checkpoint's "ema" (hvd_train/regularize.py)
+AVERAGE = "average.module."  # the averaged model's keys in a checkpoint's "ema" (hvd_train/trainer.py)
 
 
-def chosen_weights(ckpt):
+def chosen_weights(ckpt: dict[str, Any]) -> object:
     """The weights a checkpoint offers for use: the model's, or under --model-ema their average where that
     validated better in the checkpoint's epoch (its "weights", which its card repeats)."""
     if ckpt.get("weights") == "ema" and isinstance(ckpt.get("ema"), dict):
@@ -57,7 +57,7 @@ def chosen_weights(ckpt):
     return ckpt.get("model")
 
 
-def outputs(result):
+def outputs(result: object) -> list[torch.Tensor]:
     """A model's result as a list of tensors (a classifier's logits, a VAE's reconstruction, mean and log-variance)."""
     if torch.is_tensor(result):
         return [result]
@@ -68,7 +68,7 @@ def outputs(result):
     raise TypeError(f"the model returned a {type(result).__name__}; exports need tensors, tuples or dicts of them")
 
 
-def read_sidecar(path):
+def read_sidecar(path: str) -> dict[str, Any]:
     """The export's .json, read as data: a bounded size and nesting (SIDECAR_MAX_DEPTH), one JSON object."""
     where = path + SIDECAR
     if os.path.getsize(where) > SIDECAR_MAX_BYTES:
@@ -85,7 +85,7 @@ def read_sidecar(path):
     if deep:
         raise CheckpointError(f"{where}: its values nest more than {SIDECAR_MAX_DEPTH} levels deep; an export's "
                               f".json nests a few, so it is not one hvd-train export wrote")
-    try:  # the gate (hvd_train/gate.py): bounded nesting and size, as every value read from a file
+    try:  # the gate (hvd_train/provenance.py): bounded nesting and size, as every value read from a file
         plain(meta, where, depth=SIDECAR_MAX_DEPTH)
     except RecordError as e:
         raise CheckpointError(f"{e}; an export's .json nests a few, so it is not one hvd-train export wrote") from None
@@ -94,7 +94,7 @@ def read_sidecar(path):
     return meta
 
 
-def file_format(path):
+def file_format(path: str) -> Optional[str]:
     """The export format the file at `path` holds, from its first bytes (None: none of them)."""
     with open(path, "rb") as f:
         head = f.read(16)
@@ -109,7 +109,8 @@ def file_format(path):
     return None
 
 
-def load_runner(path, trusted=False, max_memory=None):
+def load_runner(path: str, trusted: bool = False, max_memory: Optional[int] = None
+                ) -> tuple[Callable[[Union[torch.Tensor, "ModelInputs"]], list[torch.Tensor]], ModelCard]:
     """(a function batch -> list of output tensors, the ModelCard; the batch: images, or ModelInputs) for a
     checkpoint, a run directory or an export
     (model.safetensors, model.torchscript.pt, model.onnx, each with its .json beside it). trusted: --trust-code;
@@ -129,7 +130,8 @@ def load_runner(path, trusted=False, max_memory=None):
     return _eager(model), card
 
 
-def export_runner(path, fmt, card, trusted=False, max_memory=None):
+def export_runner(path: str, fmt: str, card: ModelCard, trusted: bool = False, max_memory: Optional[int] = None
+                  ) -> Callable[[Union[torch.Tensor, "ModelInputs"]], list[torch.Tensor]]:
     """A function batch -> list of output tensors for the export at `path` in format `fmt` of the model `card`
     describes. trusted: --trust-code, which a TorchScript file needs (it is a program); max_memory: as
     load_runner's."""
@@ -175,44 +177,45 @@ class ModelInputs:
     tensors: dict
     keywords: bool = False
 
-    def call(self, model):
+    def call(self, model: torch.nn.Module) -> Any:
         return model(**self.tensors) if self.keywords else model(*self.tensors.values())
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
     @property
-    def count(self):
+    def count(self) -> int:
         return next(iter(self.tensors.values())).shape[0]
 
 
-def as_inputs(batch):
+def as_inputs(batch: Union[torch.Tensor, ModelInputs]) -> ModelInputs:
     """ModelInputs of a batch of images (predict's), or the inputs themselves."""
     return batch if isinstance(batch, ModelInputs) else ModelInputs({"images": batch})
 
 
-def _eager(model):
-    def run(batch):
+def _eager(model: torch.nn.Module) -> Callable[[Union[torch.Tensor, "ModelInputs"]], list[torch.Tensor]]:
+    def run(batch: Union[torch.Tensor, ModelInputs]) -> list[torch.Tensor]:
         with torch.no_grad():
             return outputs(as_inputs(batch).call(model))
     return run
 
 
-def onnx_memory_bound(file_bytes, batch_bytes):
+def onnx_memory_bound(file_bytes: int, batch_bytes: int) -> int:
     """What an ONNX model may take by default: its weights (in the file) several times over, room for the
     activations of the batch it is given, and a floor for onnxruntime's own buffers."""
     return ONNX_BYTES_PER_FILE_BYTE * file_bytes + ONNX_BYTES_PER_INPUT_BYTE * batch_bytes + ONNX_MEMORY_FLOOR
 
 
-def onnx_runner(path, max_memory=None):
+def onnx_runner(path: str, max_memory: Optional[int] = None
+                ) -> Callable[[Union[torch.Tensor, "ModelInputs"]], list[torch.Tensor]]:
     """batch -> list of output tensors, from onnxruntime in a process of its own whose allocations are capped
     (tools/onnx_session.py) at max_memory bytes, or by default at onnx_memory_bound of the first batch."""
     from hvd_train.tools.onnx_session import Session
 
-    session = None
+    session: Optional["Session"] = None
 
-    def run(batch):
+    def run(batch: Union[torch.Tensor, ModelInputs]) -> list[torch.Tensor]:
         nonlocal session
         inputs = as_inputs(batch)
         try:

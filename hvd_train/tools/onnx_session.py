@@ -17,18 +17,24 @@ import re
 import subprocess
 import sys
 import weakref
+from typing import IO, TYPE_CHECKING, Any, Optional, Sequence, cast
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
 
 DTYPES = ("float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool")  # what exports take and give
 
 
-def send(stream, header, arrays=()):
+def send(stream: IO[bytes], header: dict[str, Any], arrays: Sequence["np.ndarray"] = ()) -> None:
     stream.write((json.dumps(header) + "\n").encode())
     for array in arrays:
         stream.write(array.tobytes())
     stream.flush()
 
 
-def receive(stream):
+def receive(stream: IO[bytes]) -> tuple[Optional[dict[str, Any]], list["np.ndarray"]]:
     """(header, [arrays]) from `stream`, or (None, []) at its end."""
     import numpy as np
 
@@ -46,11 +52,11 @@ def receive(stream):
     return header, arrays
 
 
-def described(arrays):
+def described(arrays: Sequence["np.ndarray"]) -> list[list[Any]]:
     return [[str(a.dtype), list(a.shape)] for a in arrays]
 
 
-def one_line(error):
+def one_line(error: BaseException) -> str:
     """onnxruntime's message, first line, without the source location it prefixes."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return text.split("Status Message: ")[-1][:400]
@@ -66,7 +72,7 @@ STRING_DOMAINS = ("ai.onnx.ml", "com.microsoft.extensions", "ai.onnx.contrib")
 TYPE_ATTRIBUTES = ("to", "dtype", "output_dtype")  # an integer attribute naming a tensor type (Cast's `to`, ...)
 
 
-def holds_string(type_proto):
+def holds_string(type_proto: "onnx.TypeProto") -> bool:
     """Whether an ONNX TypeProto is, or holds, a string: a tensor, a sequence, a map (its keys too), an optional."""
     stack = [type_proto]
     while stack:
@@ -81,7 +87,7 @@ def holds_string(type_proto):
     return False
 
 
-def string_tensors(path):
+def string_tensors(path: str) -> Optional[str]:
     """Where the ONNX graph at `path` makes a string tensor (None: nowhere). onnxruntime's arena, capped, counts a
     string tensor's slots and not the bytes of its strings, so a small file tiling one long string takes gigabytes
     past the cap. Looked for in the graph and every subgraph (If, Loop, Scan bodies) and local function: string
@@ -132,7 +138,7 @@ def string_tensors(path):
     return None
 
 
-def open_session(path, cap):
+def open_session(path: str, cap: int) -> "ort.InferenceSession":
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -145,7 +151,7 @@ def open_session(path, cap):
                                 disabled_optimizers=["ConstantFolding"])
 
 
-def child(path, cap):
+def child(path: str, cap: int) -> int:
     out, inp = sys.stdout.buffer, sys.stdin.buffer
     try:
         strings = string_tensors(path)
@@ -187,15 +193,15 @@ def child(path, cap):
 class Session:
     """run(batch) -> list of output arrays, in a child process whose onnxruntime takes at most `cap` bytes."""
 
-    def __init__(self, path, cap):
+    def __init__(self, path: str, cap: int) -> None:
         self.path = path
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, path, str(cap)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE)
         weakref.finalize(self, Session._end, self.proc)
         self.input_names = self._answer()["ready"]
 
-    def _answer(self):
-        header, arrays = receive(self.proc.stdout)
+    def _answer(self) -> dict[str, Any]:
+        header, arrays = receive(cast(IO[bytes], self.proc.stdout))
         if header is None:
             code = self.proc.wait()
             raise RuntimeError(f"onnxruntime ended without an answer (exit status {code})")
@@ -203,15 +209,15 @@ class Session:
             raise RuntimeError(header["error"])
         return dict(header, arrays=arrays)
 
-    def run(self, inputs):
+    def run(self, inputs: Sequence["np.ndarray"]) -> list["np.ndarray"]:
         """The outputs for `inputs`: one array for each of the model's inputs, in the graph's order."""
-        send(self.proc.stdin, {"arrays": described(inputs)}, inputs)
+        send(cast(IO[bytes], self.proc.stdin), {"arrays": described(inputs)}, inputs)
         return self._answer()["arrays"]
 
     @staticmethod
-    def _end(proc):
+    def _end(proc: "subprocess.Popen[bytes]") -> None:
         if proc.poll() is None:
-            proc.stdin.close()  # the child ends at the end of its input
+            cast(IO[bytes], proc.stdin).close()  # the child ends at the end of its input
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

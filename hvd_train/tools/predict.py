@@ -12,15 +12,17 @@ import math
 import os
 import stat
 import sys
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from hvd_train.data.errors import UNREADABLE_IMAGE
-from hvd_train.data.imagefolder import is_image_file
-from hvd_train.data.images import kind_of
-from hvd_train.errors import CheckpointError, ConfigError, say
+from hvd_train.data.images import is_image_file, kind_of
+from hvd_train.errors import UNREADABLE_IMAGE, CheckpointError, ConfigError, say
+from hvd_train.provenance import TRUST_FLAG
 from hvd_train.tools.inference import ONNX_BYTES_PER_INPUT_BYTE, load_runner
-from hvd_train.trust import TRUST_FLAG
+
+if TYPE_CHECKING:
+    from hvd_train.data.images import Preprocessing
 
 BATCH = 64  # images run at once, at most
 # What a batch may take without --max-memory-mb: its inputs and the model's work on them, estimated as for an ONNX
@@ -34,7 +36,7 @@ class InputError(Exception):
     """An image argument that is missing, empty or not an image."""
 
 
-def parse_args(argv):
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hvd-train predict", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,7 +64,7 @@ def parse_args(argv):
     return args
 
 
-def image_files(arguments):
+def image_files(arguments: Sequence[str]) -> list[str]:
     """Every image file the arguments name, in order: files as given, folders' image files sorted. Anything that
     is not a regular file (a device, a FIFO, a socket, or a link to one) is refused by name."""
     files = []
@@ -80,7 +82,7 @@ def image_files(arguments):
     return files
 
 
-def regular(path):
+def regular(path: str) -> str:
     """`path`, where it is (or links to) a regular file; else InputError, in one line. (The reader checks what it
     opened again: data/images.py.)"""
     try:
@@ -92,7 +94,7 @@ def regular(path):
     return path
 
 
-def batch_size(preprocessing, memory=None):
+def batch_size(preprocessing: "Preprocessing", memory: Optional[int] = None) -> int:
     """How many images predict runs at once: BATCH, or fewer where the card's input size needs it to keep the
     batch's inputs and the model's work on them (ONNX_BYTES_PER_INPUT_BYTE per byte of input) within `memory`
     bytes (--max-memory-mb; default MEMORY). InputError where one image alone passes it."""
@@ -108,7 +110,7 @@ def batch_size(preprocessing, memory=None):
     return min(BATCH, bound // per_image)
 
 
-def load_images(files, preprocessing):
+def load_images(files: Sequence[str], preprocessing: "Preprocessing") -> torch.Tensor:
     tensors = []
     for path in files:
         try:
@@ -118,7 +120,7 @@ def load_images(files, preprocessing):
     return torch.stack(tensors)
 
 
-def predict(args):
+def predict(args: argparse.Namespace) -> list[dict[str, Any]]:
     run, card = load_runner(args.model, args.trust_code, args.max_memory_mb and args.max_memory_mb * 2**20)
     if card.task != "classification":
         raise InputError(f"{args.model}: predict gives the classes of image files, so it needs an image classifier "
@@ -139,7 +141,7 @@ def predict(args):
     return results
 
 
-def table(results):
+def table(results: list[dict[str, Any]]) -> str:
     width = max(len("image"), *(len(r["image"]) for r in results))
     k = len(results[0]["top"])
     lines = [f"{'image':<{width}}  " + "  ".join(f"top-{i + 1:<14}" for i in range(k)).rstrip()]
@@ -149,7 +151,7 @@ def table(results):
     return "\n".join(lines)
 
 
-def main(argv):
+def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     try:
         results = predict(args)

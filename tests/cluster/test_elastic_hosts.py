@@ -12,7 +12,7 @@ import pytest
 
 from cluster import IFACE, Cluster
 from conftest import BIN, ROOT, WORKERS, read_json
-from hvd_train.run import resume
+from hvd_train.run import checkpoint as resume
 
 # Namespace hosts have fixed names: one cluster at a time (make test runs files side by side).
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("cluster")]

@@ -191,6 +191,6 @@ def checkpoint_step(out):
 @pytest.mark.parametrize("text, seconds", [("1-02:03:04", 93784), ("02:03:04", 7384), ("03:04", 184), ("0:05", 5),
                                            ("UNLIMITED", None), ("NOT_SET", None), ("INVALID", None), ("", None)])
 def test_squeue_s_time_left_is_read_in_all_its_forms(text, seconds):
-    from hvd_train.guards.time_limit import parse_time_left
+    from hvd_train.guards.interrupt import parse_time_left
 
     assert parse_time_left(text) == seconds

@@ -29,8 +29,8 @@ def test_a_wheel_installs_into_a_fresh_environment_and_trains_from_another_direc
         cwd=tmp_path)
     [wheel] = list(dist.glob("hvd_train-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("train_hvd.py", "hvd_train/modes/benchmark.py", "hvd_train/engine.py", "hvd_utils/runtime.py",
-                   "hvd_train/models/small_cnn.py", "hvd_train/data/digits.py", "hvd_train/tools/doctor.py",
+    for module in ("train_hvd.py", "hvd_train/modes/benchmark.py", "hvd_train/trainer.py", "hvd_utils/runtime.py",
+                   "hvd_train/models/small_cnn.py", "hvd_train/data/catalog.py", "hvd_train/tools/doctor.py",
                    "hvd_train/hostfiles/validate.py"):
         assert module in names, f"{module} is missing from {wheel.name}"
     # Nothing under the names users give their own folders (data/, models/): installed, those would shadow theirs.

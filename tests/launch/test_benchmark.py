@@ -72,7 +72,7 @@ def test_stop_at_ends_training_at_the_first_epoch_that_reaches_the_target(tmp_pa
 
 @pytest.fixture
 def environment():
-    """os.environ, put back as it was after the test: hvd_utils.tuning sets Horovod's variables in it."""
+    """os.environ, put back as it was after the test: hvd_utils.runtime sets Horovod's variables in it."""
     saved = dict(os.environ)
     yield os.environ
     os.environ.clear()
@@ -80,20 +80,20 @@ def environment():
 
 
 def test_tuning_defaults_follow_the_device_and_the_launcher_wins(environment):
-    from hvd_utils import tuning
+    from hvd_utils import runtime
 
     for key in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "OMPI_MCA_mpi_yield_when_idle"):
         environment.pop(key, None)
-    first, second = tuning.tuning_env("cpu", kind="mpi"), tuning.tuning_env("cpu", 4, 2.5, kind="gloo")
+    first, second = runtime.tuning_env("cpu", kind="mpi"), runtime.tuning_env("cpu", 4, 2.5, kind="gloo")
     assert environment["OMPI_MCA_mpi_yield_when_idle"] == "1"  # OpenMPI yields the core while it waits
     assert first == {"fusion_threshold_mb": 8.0, "cycle_time_ms": 1.0}
     assert second == first  # set once (as horovodrun would): later defaults do not override it
     for kind, cycle in (("gloo", 10.0), ("alone", 100.0)):
         for key in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"):
             environment.pop(key)
-        assert tuning.tuning_env("cpu", kind=kind) == {"fusion_threshold_mb": 8.0, "cycle_time_ms": cycle}, kind
+        assert runtime.tuning_env("cpu", kind=kind) == {"fusion_threshold_mb": 8.0, "cycle_time_ms": cycle}, kind
     environment.update(HOROVOD_FUSION_THRESHOLD=str(64 << 20), HOROVOD_CYCLE_TIME="3")
-    assert tuning.tuning_env("cuda", -1, 0, "mpi") == {"fusion_threshold_mb": 64.0, "cycle_time_ms": 3.0}
+    assert runtime.tuning_env("cuda", -1, 0, "mpi") == {"fusion_threshold_mb": 64.0, "cycle_time_ms": 3.0}
 
 
 @pytest.mark.parametrize("launch, kind", [
@@ -105,12 +105,12 @@ def test_tuning_defaults_follow_the_device_and_the_launcher_wins(environment):
     ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_CONTROLLER": "gloo"}, "gloo"),  # horovodrun --gloo
 ])
 def test_launch_kind_is_read_from_the_launchers_variables(environment, launch, kind):
-    from hvd_utils import tuning
+    from hvd_utils import runtime
 
     for key in [k for k in environment if k.startswith(("OMPI_COMM", "PMI", "SLURM", "HOROVOD_"))]:
         del environment[key]
     environment.update(launch)
-    assert tuning.launch_kind() == kind
+    assert runtime.launch_kind() == kind
 
 
 @pytest.mark.distributed

@@ -13,9 +13,10 @@ import psutil
 import pytest
 import torch
 
-from hvd_train.run import checkpoint, resume
-from hvd_train.run.lock import RunLock
-from hvd_train.checks import check_shards
+from hvd_train.run import checkpoint
+from hvd_train.run import checkpoint as resume
+from hvd_train.run.directory import RunLock
+from hvd_train.training import check_shards
 from hvd_train.errors import EXIT_BAD_DATA, EXIT_FAILED, ConfigError
 from conftest import (QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, find_mpirun, job_env, launch,
                       launch_command, read_json, run_app, wait_for)

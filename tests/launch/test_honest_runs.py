@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from hvd_train.run import resume
+from hvd_train.run import checkpoint as resume
 from conftest import (BIN, QUIET, ROOT, TRAIN, WORKERS, app_output, assert_refused, epochs_in, find_mpirun, job_env,
                       launch_command, read_json, run_app, tensorboard_steps, train_here, wait_for)
 

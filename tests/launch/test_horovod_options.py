@@ -10,7 +10,7 @@ pytestmark = pytest.mark.distributed
 
 def initial_and_grads(batch, ranks):
     """The worker's starting model and each rank's gradient, computed here in one process."""
-    from hvd_train.data.digits import load_digits_dataset
+    from hvd_train.data.catalog import load_digits_dataset
     from hvd_train.models import build_model
 
     digits = load_digits_dataset()

@@ -1,4 +1,4 @@
-"""The OpenMPI-side defaults hvd_utils.tuning sets for CPU jobs, checked in real 2-rank horovodrun jobs."""
+"""The OpenMPI-side defaults hvd_utils.runtime sets for CPU jobs, checked in real 2-rank horovodrun jobs."""
 import pytest
 
 from conftest import launch, read_json

@@ -190,7 +190,7 @@ def test_a_users_data_set_is_fetched_by_download_and_split_across_two_views(proj
     assert "48 train / 12 val samples" in result.stdout and (project / "data" / "count.txt").read_text() == "60"
 
     from hvd_train.config import DataConfig
-    from hvd_train.datasets import build_datasets
+    from hvd_train.data import build_datasets
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # the import of plugs below adds the project to the path
     monkeypatch.delitem(sys.modules, "plugs", raising=False)

@@ -1,4 +1,4 @@
-"""--powersgd-rank (hvd_utils/powersgd_optimizer.py) in real 2-rank jobs: it trains under horovodrun's MPI and Gloo
+"""--powersgd-rank (hvd_utils/powersgd.py) in real 2-rank jobs: it trains under horovodrun's MPI and Gloo
 with gradient accumulation, clipping and a 16-bit wire; a run killed within an epoch resumes bitwise (Q and every
 rank's residuals in the step checkpoint); on another number of ranks the residuals start again, said in one line;
 under --amp fp16 a step with an inf on one rank is skipped on every rank. (The arithmetic:

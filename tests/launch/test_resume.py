@@ -46,7 +46,7 @@ def test_resuming_is_bitwise_exact_from_within_an_epoch_and_on_one_rank(tmp_path
             assert torch.equal(value, resumed[part][name]), f"{part}.{name} differs after resuming"
     for key, state in straight["optimizer"]["state"].items():
         assert torch.equal(state["momentum_buffer"], resumed["optimizer"]["state"][key]["momentum_buffer"])
-    # The schedule's position: the rate follows from the steps done (hvd_train/schedule.py).
+    # The schedule's position: the rate follows from the steps done (hvd_train/trainer.py).
     assert straight["step"] == resumed["step"]
     assert straight["optimizer"]["param_groups"][0]["lr"] == resumed["optimizer"]["param_groups"][0]["lr"]
     summary = read_json(tmp_path / "resumed" / "summary.json")
@@ -268,7 +268,7 @@ def test_resume_auto_with_no_whole_checkpoint_is_refused_naming_each(tmp_path, a
 def test_checkpoints_every_few_minutes_follow_rank_0_s_clock(tmp_path, app, monkeypatch):
     # The clock the saves read, made to run 20 s a step: with --checkpoint.every_minutes 1 a checkpoint follows every
     # third step or so, at steps rank 0's clock chose, and the last one is an epoch's end.
-    from hvd_train.run import saves
+    from hvd_train.run import checkpoint as saves
 
     ticks = iter(range(0, 10**6, 20))
     monkeypatch.setattr(saves.time, "monotonic", lambda: next(ticks))
@@ -295,11 +295,11 @@ def test_checkpoints_within_epochs_change_nothing_of_the_training(tmp_path, app)
 def test_a_run_ahead_of_its_slurm_time_limit_saves_at_a_step_and_exits_to_be_requeued(tmp_path, app, monkeypatch):
     # squeue says 400 s are left (tests/cluster/test_slurm.py reads the real one), and the clock runs 20 s a step:
     # with the default 300 s margin the run saves and stops within a few steps, exit 75 for the batch script.
-    from hvd_train.guards import time_limit
+    from hvd_train.guards import interrupt
 
     ticks = iter(range(0, 10**6, 20))
-    monkeypatch.setattr(time_limit.time, "monotonic", lambda: next(ticks))
-    monkeypatch.setattr(time_limit, "slurm_seconds_left", lambda: 400)
+    monkeypatch.setattr(interrupt.time, "monotonic", lambda: next(ticks))
+    monkeypatch.setattr(interrupt, "slurm_seconds_left", lambda: 400)
     result = app("--output-dir", tmp_path, "--epochs", 2)
     assert result.returncode == 75, result.stdout[-3000:] + result.stderr[-3000:]
     assert "SLURM time limit in 400 s: a checkpoint and a stop (exit 75, to be requeued) 300 s before it" in \

@@ -141,7 +141,7 @@ def test_shards_of_the_text_example_hold_no_image_facts_and_train(tmp_path, app,
     assert not {"in_channels", "image_size"} & set(facts), facts  # absent, not null
     assert facts["structure"][0] == "dict" and facts["classes"] == ["negative", "positive"]
     # Read back, a sample is the one written.
-    from hvd_train.data.shard_index import open_sets
+    from hvd_train.data.shards import open_sets
     from hvd_train.data.shards import first_batch
 
     _, val, _ = open_sets(str(out / "train-{000000..000003}.tar"), str(out / "val-000000.tar"))

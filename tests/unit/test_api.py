@@ -33,7 +33,7 @@ def test_the_folders_beside_the_package_are_its_subpackages_from_the_checkout():
     for name in hvd_train.BESIDE:
         module = importlib.import_module(f"hvd_train.{name}")
         assert module.__file__ == str(ROOT / name / "__init__.py")
-    assert importlib.import_module("hvd_train.data.digits").__file__ == str(ROOT / "data" / "digits.py")
+    assert importlib.import_module("hvd_train.data.catalog").__file__ == str(ROOT / "data" / "catalog.py")
 
 
 def test_setup_cfg_lists_every_package_and_maps_the_folders_beside_it():

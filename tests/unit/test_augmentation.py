@@ -13,7 +13,7 @@ from formats import write_cifar_python, write_mnist
 
 def loaders(cfg_args, workers=0, rank=0, size=1):
     """The real training and validation loaders the app builds for these settings."""
-    from hvd_train.build import loader_spec, prepare_data
+    from hvd_train.training import loader_spec, prepare_data
     from hvd_train.config import parse_config
     from hvd_train.data import build_loaders
 
@@ -67,7 +67,7 @@ def test_augmentation_is_the_same_with_any_number_of_loader_workers(tmp_path):
 
 def test_mixing_draws_per_rank_and_per_epoch_and_repeats_from_the_seed():
     from hvd_train.config import AugConfig
-    from hvd_train.regularize import Mixing
+    from hvd_train.trainer import Mixing
 
     images, labels = torch.randn(9, 3, 8, 8), torch.arange(9) % 4
     cfg = AugConfig(mixup=0.8, cutmix=1.0)

@@ -191,8 +191,8 @@ def test_the_member_bound_is_the_environments_and_the_refusal_redacts_the_url(tm
     line = assert_refused(result, "more than the 16 one file of a shard may take", "HVD_MAX_SHARD_MEMBER_BYTES",
                           code=5)
     assert f"shard {digits_shards}/train-" in line, line
-    from hvd_train.data.errors import BadSampleError
-    from hvd_train.data.shard_tar import tar_files
+    from hvd_train.errors import BadSampleError
+    from hvd_train.data.shards import tar_files
 
     sparse_bomb(tmp_path / "s.tar", 2**30)
     with pytest.raises(BadSampleError, match=r"shard file://\S+s\.tar\?token=REDACTED: member '000000000.png' "

@@ -24,7 +24,7 @@ from formats import write_image_folder
 from test_handed_over_files import ALLOWANCE, MEASURE, MiB, an_image, exported, one_error_line, trained  # noqa: F401
 
 from hvd_train.data.images import UnsupportedImage
-from hvd_train.data.preprocessing import Preprocessing
+from hvd_train.data.images import Preprocessing
 
 TIMEOUT = 120  # seconds: a command that reads a FIFO without the fix would wait for a writer for ever
 SPARSE = 20 * 2**30
@@ -201,12 +201,12 @@ def test_a_thin_image_in_an_image_folders_validation_ends_training_in_one_line(t
 
 
 def test_every_resize_path_is_bounded_from_the_header(tmp_path, monkeypatch):
-    from hvd_train.data.photos import PhotoTransform
+    from hvd_train.data.images import PhotoTransform
 
     thin = thin_png(tmp_path / "thin.png")
     data = Path(thin).read_bytes()
     said = "20000 x 1 pixels, which the resize for the model makes 5,120,000 x 256, more than the 67,108,864"
-    for channels in (1, 3):  # predict's centre crop: of a grey image (torchvision's Resize), of a photo (photos.py)
+    for channels in (1, 3):  # predict's centre crop: of a grey image (torchvision's Resize), of a photo (images.py)
         with pytest.raises(UnsupportedImage, match=re.escape(said)):
             Preprocessing(channels, 224, (0.0,) * channels, (1.0,) * channels, "center_crop").load(thin)
     for encoded in (False, True):  # validation's crop, decoded by the loader worker or on the device
@@ -282,7 +282,7 @@ def test_skip_bad_files_leaves_out_what_is_not_an_image_file_without_reading_it(
     shutil.copytree(photos[0], folder)
     bad = [make(folder / "train" / "dog" / f"{kind}.png") for kind, (make, _) in sorted(NOT_FILES.items())]
     bad.append(thin_png(folder / "val" / "dog" / "thin.png"))
-    check = ("import sys\nfrom hvd_train.data.imagefolder import decodes\n"
+    check = ("import sys\nfrom hvd_train.data.images import decodes\n"
              "print([decodes(p, 224) for p in sys.argv[1:]])\n")
     good = str(folder / "train" / "dog" / "0.png")
     proc = subprocess.run([sys.executable, "-c", check, good, *bad], capture_output=True, text=True, cwd=ROOT,

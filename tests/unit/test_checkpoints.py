@@ -7,7 +7,9 @@ import re
 import pytest
 import torch
 
-from hvd_train.run import checkpoint, resume
+from hvd_train.run import checkpoint
+from hvd_train.run import checkpoint as resume
+from hvd_train.run.checkpoint import checkpoint_to_resume
 from hvd_train.errors import CheckpointError
 from hvd_train.run.directory import RunDir
 
@@ -25,7 +27,7 @@ def test_checkpointer_keeps_last_best_and_the_newest_n(tmp_path):
     assert sorted(os.listdir(ckpts)) == ["best.pt", "epoch_0004.pt", "epoch_0005.pt", "last.pt"]
     assert resume.load(str(ckpts / "last.pt"))["epoch"] == 5
     assert resume.load(str(ckpts / "best.pt"))["epoch"] == 2
-    assert resume.resolve(run_dir, "auto") == str(ckpts / "last.pt")
+    assert resume.checkpoint_to_resume(run_dir, "auto") == str(ckpts / "last.pt")
 
 
 def test_checkpointer_on_other_ranks_writes_nothing(tmp_path):
@@ -98,8 +100,8 @@ def test_unreadable_checkpoints_name_the_file(tmp_path, content):
 
 def test_resume_paths_that_do_not_exist_are_named_and_auto_may_find_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="no such file"):
-        resume.resolve(RunDir(str(tmp_path)), str(tmp_path / "x.pt"))
-    assert resume.resolve(RunDir(str(tmp_path)), "auto") is None
+        resume.checkpoint_to_resume(RunDir(str(tmp_path)), str(tmp_path / "x.pt"))
+    assert resume.checkpoint_to_resume(RunDir(str(tmp_path)), "auto") is None
 
 
 def make_run(directory):
@@ -113,7 +115,7 @@ def test_a_used_output_directory_is_continued_replaced_or_refused(tmp_path):
     def claim(root, resume, overwrite):
         run_dir = RunDir(str(root))
         with run_dir.lock:
-            return run_dir.claim(resume, overwrite)
+            return run_dir.acquire(resume, overwrite, find_checkpoint=checkpoint_to_resume)
 
     assert claim(tmp_path / "new", "", overwrite=False) is None
     make_run(tmp_path)
@@ -127,7 +129,7 @@ def test_a_used_output_directory_is_continued_replaced_or_refused(tmp_path):
 def test_resume_auto_refuses_a_run_without_a_checkpoint(tmp_path):
     (tmp_path / "summary.json").write_text("{}")
     with pytest.raises(CheckpointError, match="no checkpoints/last.pt to continue from"):
-        RunDir(str(tmp_path)).claim("auto", overwrite=False)
+        RunDir(str(tmp_path)).acquire("auto", overwrite=False, find_checkpoint=checkpoint_to_resume)
 
 
 class SavedLines(logging.Handler):
@@ -173,7 +175,7 @@ def test_resume_auto_names_a_save_its_writer_never_finished_and_what_it_resumes_
     checkpoint.Checkpointer(run_dir.checkpoints).save(payload(1), 1, is_best=False)
     (tmp_path / "checkpoints" / "epoch_0002.pt.tmp.k2j4x9q0").write_bytes(b"half a checkpoint")
     with caplog.at_level(logging.WARNING, logger="hvd_train"):
-        assert resume.resolve(run_dir, "auto") == run_dir.last_checkpoint
+        assert resume.checkpoint_to_resume(run_dir, "auto") == run_dir.last_checkpoint
     assert [r.getMessage() for r in caplog.records] == [
         "--resume auto: a save was not finished: checkpoints/epoch_0002.pt (its writer stopped before the rename "
         "and left checkpoints/epoch_0002.pt.tmp.k2j4x9q0, which this run removes); resuming from "

@@ -116,7 +116,7 @@ def test_shipped_recipes_parse(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--amp", "fp8"], "invalid choice: 'fp8'"),
-    (["--optimizer", "adam w"], "optim.optimizer (--opt)"),  # lamb and timm's others are names build.py checks
+    (["--optimizer", "adam w"], "optim.optimizer (--opt)"),  # lamb and timm's others are names training.py checks
     (["--batches-per-allreduce", "0"], "horovod.batches_per_allreduce"),
     (["--evaluate"], "needs a checkpoint"),
     (["--optim.lr_milestones", "60,30"], "optim.lr_milestones"),

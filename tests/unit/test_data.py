@@ -8,12 +8,12 @@ import torch
 from torch.utils.data import TensorDataset
 
 from hvd_train.config import DataConfig
-from hvd_train.datasets import build_datasets
-from hvd_train.feed import Feed, image_figures
+from hvd_train.data import build_datasets
+from hvd_train.trainer import Feed, image_figures
 from hvd_train.data import DataError, LoaderSpec, build_loaders
-from hvd_train.data.digits import load_digits_dataset, read_digits
+from hvd_train.data.catalog import load_digits_dataset, read_digits
 from hvd_train.data.samplers import ShardSampler
-from hvd_train.data.split import split_indices
+from hvd_train.data.samplers import split_indices
 from conftest import ROOT
 from formats import (write_cifar10, write_cifar100_binary, write_cifar_python, write_desktop_litter,
                      write_image_folder, write_mnist, write_stl10)
@@ -33,7 +33,7 @@ def test_digits_read_from_the_package_file_are_scikit_learns_digits_without_impo
     images, labels = read_digits()
     bunch = load_digits()
     assert np.array_equal(images, bunch.images) and np.array_equal(labels, bunch.target)
-    code = "import sys; from data.digits import read_digits; read_digits(); print('sklearn' in sys.modules)"
+    code = "import sys; from data.catalog import read_digits; read_digits(); print('sklearn' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -180,7 +180,7 @@ def test_digits_split_sizes_and_shapes():
 
 def test_a_data_set_records_the_arguments_its_factory_was_called_with_never_as_a_fact():
     from hvd_train.data.augment import Augmentation
-    from hvd_train.run.setup_lines import describe_call
+    from hvd_train.run.reports import describe_call
 
     augment = Augmentation()
     _, _, info = build_datasets(DataConfig(image_size=16), 5, augment)

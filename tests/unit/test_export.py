@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import BIN, ROOT, job_env, run_app
-from hvd_train.data.imagefolder import MEAN, STD, transforms
-from hvd_train.feed import Feed
+from hvd_train.data.images import MEAN, STD, transforms
+from hvd_train.trainer import Feed
 from formats import write_image_folder
 
 PLUGIN = '''
@@ -266,7 +266,7 @@ class CallsByKeyword:
 @pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
 def test_inputs_given_by_keyword_past_one_left_out_export_by_name_with_the_sequence_free(tmp_path, fmt):
     from hvd_train.tools.export import model_input
-    from hvd_train.tools.export_formats import described_inputs, write_onnx, write_torchscript
+    from hvd_train.tools.export import described_inputs, write_onnx, write_torchscript
     from hvd_train.tools.inference import _eager
 
     torch.manual_seed(0)

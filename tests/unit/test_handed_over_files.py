@@ -254,7 +254,7 @@ SWIN_ARGS = {"window_size": 128, "depths": [1], "num_heads": [1], "embed_dim": 4
 
 def test_a_card_whose_model_computes_huge_buffers_is_refused_before_it_is_built(tmp_path, trained):
     from hvd_train import models
-    from hvd_train.plugins import call
+    from hvd_train.registry import call
 
     ckpt = torch.load(trained / "checkpoints" / "last.pt", weights_only=True)
     ckpt["model_card"].update(model=SWIN, model_args=SWIN_ARGS)
@@ -442,7 +442,7 @@ class Recording(http.server.SimpleHTTPRequestHandler):
 
 
 def test_a_shard_urls_token_is_never_on_curls_command_line(tmp_path):
-    from hvd_train.data.shard_index import open_location
+    from hvd_train.data.shards import open_location
 
     (tmp_path / "index.json").write_text('{"x": 1}')
     handler = lambda *a, **kw: Recording(*a, directory=str(tmp_path), **kw)  # noqa: E731
@@ -554,7 +554,7 @@ def test_shard_names_are_counted_exactly_as_braceexpand_makes_them():
 
     import braceexpand
 
-    from hvd_train.data.shard_index import names_in
+    from hvd_train.provenance import names_in
 
     def made(pattern):
         try:

@@ -1,31 +1,60 @@
-"""The folders' layering, read from the source: the data sets (data/, imported as hvd_train.data) sit below the run
-directory (hvd_train/run/), which builds its model card from them; what both write goes through hvd_train/files.py."""
-import ast
+"""The floor plan as a contract (docs/architecture.md): its figures, read from the source by scripts/floor_plan.py,
+and import-linter's contracts (setup.cfg [importlinter], run by `make lint`), which a cycle added to the package
+breaks."""
+import importlib.util
+import shutil
+import subprocess
+import sys
 
 from conftest import ROOT
 
 
-def imported_modules(path):
-    """Every module an import statement in the file at `path` names (anywhere in it: a function's own imports
-    too); `from package import name` counts as package.name, since name may be a module."""
-    names = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-    return names
+def floor_plan(root=ROOT):
+    spec = importlib.util.spec_from_file_location("floor_plan", root / "scripts" / "floor_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_no_module_under_data_imports_the_run_directory():
-    offenders = [f"{path.relative_to(ROOT)}: {name}" for path in sorted((ROOT / "data").rglob("*.py"))
-                 for name in imported_modules(path) if name == "hvd_train.run" or name.startswith("hvd_train.run.")]
-    assert not offenders, offenders
+def test_the_package_keeps_its_floor_plan():
+    plan = floor_plan()
+    modules = plan.product_modules()
+    edges = plan.graph(modules)
+    flat = [m for m, p in modules.items() if p.parent == ROOT / "hvd_train" and p.name != "__init__.py"]
+    annotated, public = plan.public_functions(modules)
+    assert len(modules) <= 70, sorted(modules)
+    assert len(flat) <= 12, flat
+    assert plan.cycles(edges) == []
+    assert len(plan.longest_chain(edges)) <= 9, plan.longest_chain(edges)
+    assert len(plan.torch_io(modules)) <= 2, plan.torch_io(modules)
+    assert annotated >= 0.6 * public, (annotated, public)
 
 
-def test_the_check_sees_an_import_of_the_run_directory(tmp_path):
-    for line in ("from hvd_train.run.directory import atomic_write", "from hvd_train import run",
-                 "import hvd_train.run.checkpoint", "def f():\n    from hvd_train.run import resume"):
-        path = tmp_path / "m.py"
-        path.write_text(line + "\n")
-        assert any(n == "hvd_train.run" or n.startswith("hvd_train.run.") for n in imported_modules(path)), line
+def copy_of_the_package(tmp_path):
+    for folder in ("hvd_train", "hvd_utils", "data", "models", "hostfiles"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "scripts").mkdir()
+    for script in ("check_layers.py", "floor_plan.py"):
+        shutil.copy(ROOT / "scripts" / script, tmp_path / "scripts" / script)
+    shutil.copy(ROOT / "setup.cfg", tmp_path / "setup.cfg")
+    return tmp_path
+
+
+def lint_imports(root):
+    return subprocess.run([sys.executable, str(root / "scripts" / "check_layers.py"), "--imports"],
+                          capture_output=True, text=True)
+
+
+def test_an_import_cycle_even_inside_a_function_breaks_the_lint(tmp_path):
+    root = copy_of_the_package(tmp_path)
+    kept = lint_imports(root)
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    # The lowest room reaches back up to the trainer, from inside a function (as the old cycles hid themselves).
+    with open(root / "hvd_train" / "errors.py", "a") as f:
+        f.write("\n\ndef _reach_back():\n    from hvd_train import trainer\n\n    return trainer\n")
+    broken = lint_imports(root)
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert "No import cycle between modules or packages at any depth" in broken.stdout
+    assert "BROKEN" in broken.stdout and "hvd_train.errors" in broken.stdout
+    plan = floor_plan(root)
+    assert any("hvd_train.errors" in cycle for cycle in plan.cycles(plan.graph(plan.product_modules())))

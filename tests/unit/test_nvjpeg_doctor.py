@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from conftest import BIN, ROOT, job_env
-from hvd_train.tools import doctor, doctor_checks
-from hvd_train.tools.doctor_probes import PROBE
+from hvd_train.tools import doctor
+from hvd_train.tools import doctor as doctor_checks
+from hvd_train.tools.doctor import PROBE
 
 H200 = ("NVIDIA H200", (9, 0))
 FALLBACK = "--data.decode gpu decodes on the CUDA cores"

@@ -1,5 +1,5 @@
-"""One gate for every value read from a file (hvd_train/gate.py, with the rules of hvd_train/trust.py and the one
-redactor of hvd_train/uris.py; docs/reliability.md: What is code and what is data).
+"""One gate for every value read from a file (hvd_train/provenance.py, with its rules of what is code, and the
+one redactor of hvd_train/errors.py; docs/reliability.md: What is code and what is data).
 
 First a table: every entry point that reads a file from elsewhere (training's --config, --resume and --evaluate of a
 handed-over run, export, predict, training and evaluation on shards), against every kind of file it reads (a
@@ -28,10 +28,10 @@ from conftest import BIN, QUIET, ROOT, TRAIN, assert_refused, job_env, read_json
 import test_handed_over_files
 from test_handed_over_files import ALLOWANCE, an_image, peak_of_command
 
-from hvd_train.gate import RecordError, plain
+from hvd_train.provenance import RecordError, plain
 from hvd_train.tools import export, predict
-from hvd_train.trust import judged
-from hvd_train.uris import redact_argument, redact_text, redact_values
+from hvd_train.provenance import judged
+from hvd_train.errors import redact_argument, redact_text, redact_values
 
 pytestmark = pytest.mark.xdist_group("one_gate")
 listener = test_handed_over_files.listener  # a TCP listener on loopback: yields (its URL, what reached it)

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from hvd_train import engine
-from hvd_train.build import build_optimizer, param_groups
-from hvd_train.config import OptimConfig
+from hvd_train import trainer
+from hvd_train.training import build_optimizer, param_groups
+from hvd_train.config import HorovodConfig, OptimConfig
 from hvd_train.models import build_model
 
 from conftest import trainer_for
@@ -35,7 +35,8 @@ def test_gradient_accumulation_splits_the_batch_without_changing_the_gradient():
         torch.manual_seed(1)
         model = build_model("small_cnn", 1, 10, 8).eval()
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        sums = engine.train_step(trainer_for(model, optimizer, accumulate=accumulate), (images, labels))
+        stepper = trainer_for(model, optimizer, horovod=HorovodConfig(batches_per_allreduce=accumulate))
+        sums = trainer.train_step(stepper, (images, labels))
         assert int(sums["count"]) == 12
         results.append([p.detach().clone() for p in model.parameters()])
     for other in results[1:]:
@@ -48,14 +49,15 @@ def test_clipping_bounds_the_update():
     model = torch.nn.Linear(4, 2)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.train_step(trainer_for(model, optimizer, clip_grad=0.01), (100 * torch.randn(8, 4), torch.zeros(8).long()))
+    stepper = trainer_for(model, optimizer, optim=OptimConfig(clip_grad=0.01))
+    trainer.train_step(stepper, (100 * torch.randn(8, 4), torch.zeros(8).long()))
     moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
     assert moved.norm() == pytest.approx(0.01, rel=1e-4)
 
 
 def test_bf16_autocast_runs_the_forward_in_bfloat16_on_the_cpu():
     model = torch.nn.Linear(4, 2)
-    with engine.autocast(torch.device("cpu"), "bf16"):
+    with trainer.autocast(torch.device("cpu"), "bf16"):
         assert model(torch.randn(3, 4)).dtype == torch.bfloat16
-    with engine.autocast(torch.device("cpu"), "off"):
+    with trainer.autocast(torch.device("cpu"), "off"):
         assert model(torch.randn(3, 4)).dtype == torch.float32

@@ -1,4 +1,4 @@
-"""Photos as uint8 (data/photos.py) and the feed that normalizes them on the device (hvd_train/feed.py): the loader
+"""Photos as uint8 (data/images.py) and the feed that normalizes them on the device (hvd_train/trainer.py): the loader
 workers' crop and the device's batch crop agree for the same draws, validation never draws, JPEG draft mode covers
 the crop it would cover at full size, and shards written with --max-side hold bounded images."""
 import io
@@ -11,11 +11,11 @@ from PIL import Image
 from formats import DRAFT_MEAN_LEVELS, MEAN_LEVELS, P99_LEVELS, both_ways, photo
 from hvd_train.data import LoaderSpec, build_loaders
 from hvd_train.data.augment import seed_all
-from hvd_train.data.imagefolder import MEAN, STD
-from hvd_train.data.photos import PhotoTransform, decode, header, val_crop
-from hvd_train.datasets import build_datasets
+from hvd_train.data.images import MEAN, STD
+from hvd_train.data.images import PhotoTransform, decode, header, val_crop
+from hvd_train.data import build_datasets
 from hvd_train.config import DataConfig
-from hvd_train.feed import AHEAD, Feed
+from hvd_train.trainer import AHEAD, Feed
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_validation_never_draws(folder):
 def test_a_broken_photo_is_named_on_either_side(folder, tmp_path):
     bad = tmp_path / "cut.jpg"
     bad.write_bytes((folder / "class0" / "000.jpg").read_bytes()[:300])
-    from hvd_train.data.errors import BadSampleError
+    from hvd_train.errors import BadSampleError
 
     with pytest.raises(BadSampleError, match="cut.jpg: cannot read this image"):
         PhotoTransform(64, True)(str(bad))
@@ -146,7 +146,7 @@ def test_the_feed_normalizes_uint8_and_erases_by_epoch_and_step():
 def encoded_batches(folder, count, fail_after=None, taken=None):
     """`count` batches of 2 encoded photos (as the loader hands them for --data.decode gpu); an error instead of
     batch `fail_after`; `taken` counts the batches drawn."""
-    from hvd_train.data.photos import collate_encoded
+    from hvd_train.data.images import collate_encoded
 
     transform = PhotoTransform(32, train=True).on_device()
     paths = [p for p in files(folder) if p.endswith(".jpg")]
@@ -162,7 +162,7 @@ def encoded_batches(folder, count, fail_after=None, taken=None):
 def test_a_batch_of_encoded_photos_travels_as_a_few_tensors_whatever_its_size(folder):
     # A loader worker hands each tensor of a batch over in a shared-memory segment of its own: the JPEGs' bytes go
     # as one flat tensor, so a batch costs the training process the same few mappings at 2 photos or 128.
-    from hvd_train.data.photos import collate_encoded
+    from hvd_train.data.images import collate_encoded
 
     transform = PhotoTransform(32, train=True).on_device()
     paths = files(folder)  # JPEGs and a PNG, which the worker decodes
@@ -234,7 +234,7 @@ def test_max_side_out_of_range_is_refused(folder, tmp_path, tool):
 
 
 def test_where_photos_are_decoded_follows_the_setting_the_device_and_the_workers():
-    from hvd_train.build import decode_place
+    from hvd_train.training import decode_place
     from hvd_train.config import parse_config
     from hvd_train.errors import ConfigError
 

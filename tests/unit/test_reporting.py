@@ -3,8 +3,8 @@ rollback, where an interruption left the run."""
 import json
 import math
 
-from hvd_train.run.best import averages
-from hvd_train.run.reporting import Reporter
+from hvd_train.tasks import averages
+from hvd_train.run.reports import Reporter
 from hvd_train.run.directory import RunDir
 
 from conftest import trainer_for
@@ -73,7 +73,7 @@ def test_an_interruption_names_the_last_epoch_whose_record_and_checkpoint_are_wr
 
 def test_the_data_line_shows_the_factorys_call_on_one_line_with_uris_redacted():
     import torch
-    from hvd_train.run.setup_lines import describe_call
+    from hvd_train.run.reports import describe_call
 
     path = "/data/" + "a-long-folder-name/" * 8
     shown = describe_call("mydata:sets", {

@@ -22,7 +22,7 @@ from hvd_train.errors import CheckpointError
 from hvd_train.run import checkpoint
 from hvd_train.files import append_line, atomic_write, no_link_below
 from hvd_train.run.directory import RunDir
-from hvd_train.run.reporting import Reporter
+from hvd_train.run.reports import Reporter
 
 # The fixtures of the handed-over files' tests: a real run directory (one epoch, one process) and a TCP listener on
 # loopback that records every connection made to it.
@@ -157,7 +157,7 @@ def test_the_store_is_read_as_data_and_every_location_must_be_the_directorys(tmp
     os.symlink(kept, run / "wandb")
     (run / "summary.json").write_text("{}")
     with run_dir.lock:
-        assert run_dir.claim("", overwrite=True) is None
+        assert run_dir.acquire("", overwrite=True, find_checkpoint=checkpoint.checkpoint_to_resume) is None
     assert sorted(os.listdir(run)) == [] and (kept / "data.txt").read_text() == "kept"
 
 
@@ -206,10 +206,11 @@ def test_the_claim_and_every_writer_refuse_a_link_planted_below_the_directory(tm
         (root / planted).parent.mkdir(parents=True, exist_ok=True)
         os.symlink(target, root / planted)
         with run_dir.lock, pytest.raises(CheckpointError, match=f"{root / planted}: a symbolic link"):
-            run_dir.claim("auto", overwrite=False)
+            run_dir.acquire("auto", overwrite=False, find_checkpoint=checkpoint.checkpoint_to_resume)
         os.remove(root / planted)
     with run_dir.lock:
-        assert run_dir.claim("auto", overwrite=False) == str(root / "checkpoints" / "last.pt")
+        found = run_dir.acquire("auto", overwrite=False, find_checkpoint=checkpoint.checkpoint_to_resume)
+        assert found == str(root / "checkpoints" / "last.pt")
     # Planted after the claim: each writer refuses it.
     os.symlink(target, root / "tensorboard")
     with pytest.raises(CheckpointError, match="tensorboard: a symbolic link"):

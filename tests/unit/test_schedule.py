@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from hvd_train import engine
+from hvd_train import trainer
 from hvd_train.config import OptimConfig
-from hvd_train.schedule import LRSchedule, lr_factor
+from hvd_train.trainer import LRSchedule, lr_factor
 from hvd_utils import lr_scale
 
 
@@ -41,7 +41,7 @@ def test_step_divides_at_milestones_and_exponential_decays_per_epoch():
 def test_scheduler_changes_the_rate_every_step():
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=0.4)
-    schedule, hooks = LRSchedule(OptimConfig(epochs=1, lr=0.4, lr_schedule="cosine"), lr_scale=1), engine.Hooks()
+    schedule, hooks = LRSchedule(OptimConfig(epochs=1, lr=0.4, lr_schedule="cosine"), lr_scale=1), trainer.Hooks()
     rates = []
     for step in range(4):
         schedule.apply(optimizer, hooks.position(1, step, 4))

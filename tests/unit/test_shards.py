@@ -15,10 +15,10 @@ import torch
 from conftest import (BIN, QUIET, ROOT, TRAIN, WORKERS, assert_refused, job_env, launch, offline_shell, read_json,
                       run_app, shard, shard_flags)
 from hvd_train.data import BadSampleError, DataError, LoaderSpec, build_loaders, check_world
-from hvd_train.data.shard_index import ShardSet, train_plan
+from hvd_train.data.shards import ShardSet, train_plan
 from formats import write_image_folder
 from hvd_train.config import DataConfig
-from hvd_train.datasets import build_datasets
+from hvd_train.data import build_datasets
 from conftest import elastic_run_losing_a_worker
 
 
@@ -119,7 +119,7 @@ def test_every_rank_runs_the_same_full_batches_and_validation_counts_each_sample
     # No training sample twice in the epoch: images are told apart by their pixels.
     seen = Counter(tuple(image.flatten().tolist()) for batches, _ in ranks for images, _ in batches for image in images)
     assert sum(seen.values()) == steps.pop() * 32 * 2
-    from hvd_train.data.digits import load_digits_dataset
+    from hvd_train.data.catalog import load_digits_dataset
     digits = load_digits_dataset()
     assert max(seen.values()) <= Counter(tuple(image.flatten().tolist()) for image, _ in digits).most_common(1)[0][1]
     labels = torch.cat([v for _, v in ranks])

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from hvd_train.epoch_line import format_record
+from hvd_train.trainer import format_record
 from hvd_train.errors import ConfigError
-from hvd_train.run_task import RunTask
+from hvd_train.tasks import RunTask
 from hvd_train.tasks import Classification, logits_of, split_batch
 
 
@@ -104,15 +104,15 @@ class Confusion:
 
 
 def test_a_tensor_sum_is_added_whole_derived_from_and_kept_out_of_sight():
-    from hvd_train.run.best import averages
-    from hvd_train.run.best import visible
+    from hvd_train.tasks import averages
+    from hvd_train.tasks import visible
 
     task = RunTask(Confusion(), "mine:Confusion")
     batches = [(torch.tensor([[1.0], [-1.0], [2.0]]), torch.tensor([1, 0, 0])),
                (torch.tensor([[-3.0]]), torch.tensor([1]))]
     sums = [task.step(None, b)[1] for b in batches]
     total = {k: torch.as_tensor(sums[0][k], dtype=torch.float64) + torch.as_tensor(sums[1][k]) for k in sums[0]}
-    figures = task.finish(averages({k: float(v) if v.dim() == 0 else v for k, v in total.items()}))
+    figures = task.epoch_figures(averages({k: float(v) if v.dim() == 0 else v for k, v in total.items()}))
     # truth 0: one right, one wrong; truth 1: one right, one wrong
     assert figures["confusion"] == [[0.25, 0.25], [0.25, 0.25]] and figures["mean_recall"] == 0.5
     record = {"epoch": 1, **{f"val_{k}": v for k, v in figures.items()}}

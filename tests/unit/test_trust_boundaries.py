@@ -31,7 +31,8 @@ from conftest import QUIET, ROOT, WORKERS, app_output, launch, read_json, run_ap
 from formats import write_image_folder
 
 from hvd_train.tools import export, predict
-from hvd_train.guards import stacks, watchdog
+from hvd_train.guards import watchdog
+from hvd_train.guards import watchdog as stacks
 from hvd_train.run.checkpoint import Checkpointer
 from hvd_train.config import parse_config
 from hvd_train.errors import ConfigError
@@ -370,7 +371,7 @@ def a_tar(path, members):
 
 def test_a_tampered_cifar_archive_fails_its_checksum_and_leaves_nothing(tmp_path, web):
     from hvd_train.data import cifar
-    from hvd_train.data.errors import DataError
+    from hvd_train.errors import DataError
 
     www, base = web
     a_tar(www / "cifar-10-python.tar.gz", [("cifar-10-batches-py/data_batch_1", b"tampered")])
@@ -384,7 +385,7 @@ def test_a_tampered_cifar_archive_fails_its_checksum_and_leaves_nothing(tmp_path
                                     ("cifar/link", ("link", "/etc/passwd"))])
 def test_an_archive_member_outside_the_target_refuses_the_archive(tmp_path, web, member):
     from hvd_train.data.download import fetch
-    from hvd_train.data.errors import DataError
+    from hvd_train.errors import DataError
     from torchvision.datasets.utils import calculate_md5
 
     www, base = web
@@ -469,7 +470,7 @@ def peak_of(call):
 
 
 def test_a_gzip_bomb_posing_as_mnist_is_refused_from_its_header(tmp_path):
-    from hvd_train.data.errors import DataError
+    from hvd_train.errors import DataError
     from hvd_train.data.mnist import read_idx
 
     bomb = tmp_path / "train-images-idx3-ubyte.gz"
@@ -492,7 +493,7 @@ def test_a_gzip_bomb_posing_as_mnist_is_refused_from_its_header(tmp_path):
 
 def test_a_cifar_pickle_of_shared_references_is_refused_before_it_expands(tmp_path):
     from hvd_train.data.cifar import CIFAR10, read_python_batch
-    from hvd_train.data.errors import DataError
+    from hvd_train.errors import DataError
 
     row = [0] * 3072
     path = tmp_path / "data_batch_1"
@@ -555,8 +556,8 @@ def test_settings_that_allocate_per_worker_have_an_upper_bound(flag, value, name
 
 
 def test_a_shard_index_with_an_absurd_count_or_size_is_refused(tmp_path):
-    from hvd_train.data.errors import DataError
-    from hvd_train.data.shard_index import read_index
+    from hvd_train.errors import DataError
+    from hvd_train.data.shards import read_index
 
     index = {"format": "hvd-train shards", "version": 1, "facts": {"num_classes": 10}, "shards": {"a.tar": 10**12}}
     (tmp_path / "index.json").write_text(json.dumps(index))

@@ -10,8 +10,8 @@ import torch
 
 import hvd_utils
 from hvd_train.models import build_model
-from hvd_train import engine
-from hvd_train.engine import StepOptions, Trainer
+from hvd_train import trainer as engine
+from hvd_train.trainer import StepOptions, Trainer
 from hvd_train.tasks import builtin_task
 
 

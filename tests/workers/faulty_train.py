@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from hvd_train import engine
+from hvd_train import trainer
 import hvd_utils
 import train_hvd
 
@@ -19,7 +19,7 @@ import train_hvd
 def main():
     rank, step, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     sys.argv = [sys.argv[0]] + sys.argv[sys.argv.index("--") + 1:]
-    real_step, calls = engine.train_step, {"n": 0}
+    real_step, calls = trainer.train_step, {"n": 0}
 
     def faulty_step(*args, **kwargs):
         calls["n"] += 1
@@ -36,7 +36,7 @@ def main():
             raise RuntimeError(f"injected failure on rank {rank} at step {step}")
         return real_step(*args, **kwargs)
 
-    engine.train_step = faulty_step
+    trainer.train_step = faulty_step
     train_hvd.cli()
 
 

@@ -11,10 +11,10 @@ import torch
 
 import hvd_utils
 from hvd_train.data import LoaderSpec, build_loaders
-from hvd_train import engine
+from hvd_train import trainer as engine
 from hvd_train.config import DataConfig, OptimConfig
-from hvd_train.datasets import build_datasets
-from hvd_train.schedule import LRSchedule
+from hvd_train.data import build_datasets
+from hvd_train.trainer import LRSchedule
 from hvd_train.tasks import builtin_task
 from hvd_train.models import build_model
 
@@ -30,7 +30,7 @@ def main(out_dir):
     trainer = engine.Trainer(model, builtin_task("classification"), optimizer,
                              LRSchedule(OptimConfig(epochs=2, lr=0.05), 1), torch.device("cpu"), engine.StepOptions(),
                              epochs=2)
-    engine.fit(trainer, train_loader, val_loader, engine.Hooks(sampler))
+    engine.fit_epochs(trainer, train_loader, val_loader, engine.Hooks(sampler))
     torch.save(model.state_dict(), f"{out_dir}/rank{rt.rank}.pt")
     hvd_utils.shutdown()
 

@@ -2,7 +2,7 @@
 
     gpu_model.py OUT_DIR [train_hvd.py flags, e.g. --model resnet18 --sync-bn]
 
-hvd_utils.init() pins the device and hvd_train.build.build_model_for builds the configured model on it (3x32x32 images,
+hvd_utils.init() pins the device, hvd_train.training.build_model_for makes the configured model on it (3x32x32 images,
 10 classes). One training-mode forward pass then feeds rank r images of value r + 1 plus noise, so the ranks' batches
 differ. Each rank writes OUT_DIR/rank<r>.json: its ranks, the device the app chose, torch's current device, where the
 parameters live, the classes of the normalization layers, and for the first BatchNorm the per-channel mean of its
@@ -17,7 +17,7 @@ import torch
 import hvd_utils
 from hvd_train.config import parse_config
 from hvd_train.data import DataInfo
-from hvd_train.build import build_model_for
+from hvd_train.training import build_model_for
 
 
 def main(out_dir, argv):

@@ -19,10 +19,11 @@ import os
 import torch
 
 import hvd_utils
-from hvd_train.data.digits import load_digits_dataset
+from hvd_train.data.catalog import load_digits_dataset
 from hvd_train.models import build_model, to_channels_last
-from hvd_train import engine
-from hvd_train.engine import StepOptions, Trainer
+from hvd_train import trainer as engine
+from hvd_train.config import HorovodConfig
+from hvd_train.trainer import StepOptions, Trainer
 from hvd_train.tasks import builtin_task
 
 # name: the flags it stands for
@@ -51,16 +52,17 @@ def step(rt, args, digits, out_file):
     if args.channels_last:
         to_channels_last(model)
     if args.compile:
-        model.compile()  # before the optimizer is wrapped, as hvd_train.build does
+        model.compile()  # before the optimizer is wrapped, as hvd_train.training does
     model.eval()  # no dropout: the comparison must not depend on per-rank random masks
     optimizer = hvd_utils.distributed_optimizer(
-        torch.optim.SGD(model.parameters(), lr=0.5), model, batches_per_allreduce=args.accumulate,
-        fp16_allreduce=args.fp16_allreduce, use_adasum=args.adasum, gradient_predivide_factor=args.predivide)
+        torch.optim.SGD(model.parameters(), lr=0.5), model, hvd_utils.WireOptions(
+            batches_per_allreduce=args.accumulate, fp16_allreduce=args.fp16_allreduce, use_adasum=args.adasum,
+            gradient_predivide_factor=args.predivide))
     hvd_utils.broadcast_state(model, optimizer)
     lo, hi = rt.rank * args.batch, (rt.rank + 1) * args.batch
     images = torch.stack([digits[i][0] for i in range(lo, hi)])
     labels = torch.stack([digits[i][1] for i in range(lo, hi)])
-    opts = StepOptions(accumulate=args.accumulate)
+    opts = StepOptions(horovod=HorovodConfig(batches_per_allreduce=args.accumulate))
     trainer = Trainer(model, builtin_task("classification"), optimizer, None, images.device, opts)
     engine.train_step(trainer, (images, labels))
     if rt.is_main:

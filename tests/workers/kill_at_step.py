@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from hvd_train import engine
+from hvd_train import trainer
 import hvd_utils
 import train_hvd
 
@@ -17,7 +17,7 @@ import train_hvd
 def main():
     pgid, step = int(sys.argv[1]), int(sys.argv[2])
     sys.argv = [sys.argv[0]] + sys.argv[sys.argv.index("--") + 1:]
-    real_step, calls = engine.train_step, {"n": 0}
+    real_step, calls = trainer.train_step, {"n": 0}
 
     def step_that_kills(*args, **kwargs):
         calls["n"] += 1
@@ -25,7 +25,7 @@ def main():
             os.killpg(pgid, signal.SIGKILL)
         return real_step(*args, **kwargs)
 
-    engine.train_step = step_that_kills
+    trainer.train_step = step_that_kills
     train_hvd.cli()
 
 

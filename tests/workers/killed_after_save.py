@@ -14,7 +14,7 @@ import sys
 import psutil
 
 import hvd_utils
-from hvd_train.run import saves
+from hvd_train.run import checkpoint as saves
 import train_hvd
 
 

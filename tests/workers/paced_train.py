@@ -8,7 +8,7 @@ Everything else is the real application.
 import sys
 import time
 
-from hvd_train import engine
+from hvd_train import trainer
 import hvd_utils
 import train_hvd
 
@@ -16,7 +16,7 @@ import train_hvd
 def main():
     seconds, after = float(sys.argv[1]), int(sys.argv[2])
     sys.argv = [sys.argv[0]] + sys.argv[sys.argv.index("--") + 1:]
-    real_step, calls = engine.train_step, {"n": 0}
+    real_step, calls = trainer.train_step, {"n": 0}
 
     def paced_step(*args, **kwargs):
         calls["n"] += 1
@@ -24,7 +24,7 @@ def main():
             time.sleep(seconds)
         return real_step(*args, **kwargs)
 
-    engine.train_step = paced_step
+    trainer.train_step = paced_step
     train_hvd.cli()
 
 

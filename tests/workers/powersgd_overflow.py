@@ -12,7 +12,7 @@ import json
 import torch
 
 import hvd_utils
-from hvd_train.engine import StepOptions, Trainer, train_step
+from hvd_train.trainer import StepOptions, Trainer, train_step
 
 
 class Task:
@@ -35,7 +35,7 @@ def main():
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 24)
     optimizer = hvd_utils.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                                powersgd=(1, 0, 2.0))
+                                                hvd_utils.WireOptions(powersgd=hvd_utils.PowerSGD(1, 0, 2.0)))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     hvd_utils.broadcast_state(model, optimizer)
     hvd_utils.prepare_compression(optimizer, scaler, 10)

@@ -15,8 +15,8 @@ import torch
 import hvd_utils
 from hvd_utils.zero import ShardedOptimizer
 from hvd_train.config import config_from_dict
-from hvd_train import build
-from hvd_train.datasets import build_datasets
+from hvd_train import training
+from hvd_train.data import build_datasets
 
 
 def main():
@@ -24,8 +24,8 @@ def main():
     ckpt = torch.load(sys.argv[1], weights_only=True, map_location="cpu")
     cfg = config_from_dict(ckpt["config"])
     info = build_datasets(cfg.data, cfg.run.seed, None)[2]
-    model = build.build_model_for(cfg, info, torch.device("cpu"))
-    optimizer = ShardedOptimizer(build.build_optimizer(model, cfg.optim, 0.1), bucket_mb=float(sys.argv[2]))
+    model = training.build_model_for(cfg, info, torch.device("cpu"))
+    optimizer = ShardedOptimizer(training.build_optimizer(model, cfg.optim, 0.1), bucket_mb=float(sys.argv[2]))
     if hvd.rank() == 0:
         optimizer.load_state_dict(ckpt["optimizer"])
     hvd_utils.broadcast_state(model, optimizer)

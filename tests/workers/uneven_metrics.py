@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 
 import hvd_utils
 from hvd_train.data import LoaderSpec, build_loaders
-from hvd_train import validation
+from hvd_train import trainer
 from hvd_train.tasks import builtin_task
 
 
@@ -34,8 +34,8 @@ def evaluate_case(rt, out_dir, n, batch):
     dataset = TensorDataset(logits, labels)
     _, val_loader, _ = build_loaders(dataset, dataset, LoaderSpec(batch, seed=0), rt.rank, rt.size)
     task, cpu = builtin_task("classification"), torch.device("cpu")
-    result = validation.evaluate_all(nn.Identity(), task, val_loader, cpu)
-    result["local_count"] = float(validation.evaluate(nn.Identity(), task, val_loader, cpu).get("count", 0))
+    result = trainer.evaluate_all(nn.Identity(), task, val_loader, cpu)
+    result["local_count"] = float(trainer.evaluate(nn.Identity(), task, val_loader, cpu).get("count", 0))
     with open(f"{out_dir}/{n}-{batch}-rank{rt.rank}.json", "w") as f:
         json.dump(result, f)
 

@@ -13,7 +13,7 @@ import signal
 import socket
 import sys
 
-from hvd_train import engine
+from hvd_train import trainer
 from hvd_train.guards import watchdog
 import hvd_utils
 import train_hvd
@@ -40,7 +40,7 @@ def attack():
 def main():
     attack_step, stop_step = int(sys.argv[1]), int(sys.argv[2])
     sys.argv = [sys.argv[0]] + sys.argv[sys.argv.index("--") + 1:]
-    real_step, calls = engine.train_step, {"n": 0}
+    real_step, calls = trainer.train_step, {"n": 0}
 
     def step(*args, **kwargs):
         calls["n"] += 1
@@ -50,7 +50,7 @@ def main():
             os.kill(os.getpid(), signal.SIGSTOP)
         return real_step(*args, **kwargs)
 
-    engine.train_step = step
+    trainer.train_step = step
     train_hvd.cli()
 
 

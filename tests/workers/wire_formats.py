@@ -27,7 +27,8 @@ def base_gradient(rank, device):
 def averaged_gradient(name, flags, rank, device):
     # A name of its own for each format's weight: Horovod matches tensors across ranks by name.
     model = torch.nn.Sequential(OrderedDict([(name, torch.nn.Linear(4, 2, bias=False))])).to(device)
-    optimizer = hvd_utils.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, **flags)
+    optimizer = hvd_utils.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.0), model,
+                                                hvd_utils.WireOptions(**flags))
     # d/dW of sum(c * (W x)) is the outer product of c and x.
     (model(base_gradient(rank, device).unsqueeze(0)) * torch.tensor([1.0, 2.0], device=device)).sum().backward()
     optimizer.synchronize()

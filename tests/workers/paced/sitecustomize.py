@@ -1,7 +1,7 @@
 """Paces the training steps of every Python process whose PYTHONPATH holds this folder: for a job a test cannot start
 through a worker script of its own (the shipped SLURM batch script), yet must still find running when it signals.
 
-With HVD_TEST_STEP_PAUSE_S set, each training step of hvd_train.engine sleeps that long first. The pause changes
+With HVD_TEST_STEP_PAUSE_S set, each training step of hvd_train.trainer sleeps that long first. The pause changes
 nothing the step computes; it only gives every step a least duration whatever the machine's speed.
 """
 import importlib.abc
@@ -13,10 +13,10 @@ PAUSE = float(os.environ.get("HVD_TEST_STEP_PAUSE_S") or 0)
 
 
 class _PaceEngine(importlib.abc.MetaPathFinder):
-    """Wraps hvd_train.engine.train_step once that module is loaded."""
+    """Wraps hvd_train.trainer.train_step once that module is loaded."""
 
     def find_spec(self, name, path, target=None):
-        if name != "hvd_train.engine":
+        if name != "hvd_train.trainer":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

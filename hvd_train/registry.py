@@ -11,18 +11,17 @@ import inspect
 import os
 import sys
 import traceback
+from typing import Any, Callable, Mapping, Optional
 
 from hvd_train.errors import ConfigError
+from hvd_train.provenance import is_import_path
 
 # Objects a user's script handed to hvd_train.train(), by the names the run records for them (hvd_train/api.py).
-PROVIDED = {}
+PROVIDED: dict[str, Callable[..., Any]] = {}
 
 
-def is_import_path(name):
-    return ":" in name
-
-
-def resolve(name, find, flag, choices):
+def resolve(name: str, find: Callable[[str], Optional[Callable[..., Any]]], flag: str,
+            choices: str) -> Callable[..., Any]:
     """The factory `name` stands for: find(name) for a name that ships, else the attribute an import path names.
     `find` returns None for a name it does not know; `flag` is the setting and `choices` the names that ship, for
     the message."""
@@ -35,7 +34,7 @@ def resolve(name, find, flag, choices):
     return import_attribute(name, flag)
 
 
-def import_attribute(path, flag):
+def import_attribute(path: str, flag: str) -> Callable[..., Any]:
     """The object `package.module:attr.sub` names. The working directory comes last on the module search path,
     as a user's project is usually where the job is launched from; the app's own packages come first."""
     if path in PROVIDED:
@@ -65,7 +64,7 @@ def import_attribute(path, flag):
     return obj
 
 
-def takes(factory, parameter):
+def takes(factory: Callable[..., Any], parameter: str) -> bool:
     """Whether factory names `parameter` (False where its signature cannot be read)."""
     try:
         return parameter in inspect.signature(factory).parameters
@@ -73,14 +72,16 @@ def takes(factory, parameter):
         return False
 
 
-def call(factory, facts, args, flag, name, by_name_only=()):
+def call(factory: Callable[..., Any], facts: Mapping[str, Any], args: Mapping[str, Any], flag: str, name: str,
+         by_name_only: tuple[str, ...] = ()) -> Any:
     """factory(**the facts it names, **args). An argument in `args` it does not take, or a parameter without a
     default that neither gives, is refused with the setting named. by_name_only: facts read from a file, which a
     factory gets only where it names them (never through its **kwargs)."""
     return factory(**arguments(factory, facts, args, flag, name, by_name_only))
 
 
-def arguments(factory, facts, args, flag, name, by_name_only=()):
+def arguments(factory: Callable[..., Any], facts: Mapping[str, Any], args: Mapping[str, Any], flag: str, name: str,
+              by_name_only: tuple[str, ...] = ()) -> dict[str, Any]:
     """The keyword arguments call() passes `factory` (the same checks and refusals): what a log line may show."""
     try:
         params = inspect.signature(factory).parameters
