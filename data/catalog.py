@@ -28,7 +28,7 @@ from hvd_train.data.images import describe
 from hvd_train.data.shards import open_sets
 
 if TYPE_CHECKING:
-    from hvd_train.data.images import ClassFolders
+    from hvd_train.data.folders import ClassFolders
     from hvd_train.data.shards import ShardSet
 
 IMAGE_FACTS = ("in_channels", "num_classes", "image_size")
@@ -97,7 +97,7 @@ def imagefolder(data_dir: str, image_size: int = 224, skip_bad_files: bool = Fal
                 augment: Augmentation = NO_AUGMENTATION) -> tuple["ClassFolders", "ClassFolders", dict[str, Any]]:
     """Class folders, with train/ and val/ or split by data.val_fraction (the same files read twice: training and
     evaluation transforms)."""
-    from hvd_train.data.images import load
+    from hvd_train.data.folders import load
 
     train, val, presplit = load(data_dir, image_size, skip_bad_files, augment)
     return train, val, {**image_facts(3, len(train.classes), image_size, val), "held_out": not presplit}

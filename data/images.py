@@ -1,4 +1,4 @@
-"""Image files and how they become a model's tensors: bounded reads, photos, class folders, recorded preprocessing.
+"""Image files and how they become a model's tensors: bounded reads, photos, recorded preprocessing.
 
 Every image file is read by read_image_file(), which bounds what a file handed over can make the reader do: it
 opens without blocking (a FIFO never hangs), reads regular files only (a link to /dev/zero, a FIFO, a socket are
@@ -24,9 +24,7 @@ and ToTensor + Normalize a third of that again, while libjpeg-turbo (torchvision
 torch's uint8 antialiased resize is several times faster; where a crop needs at most half of the image's
 resolution, Pillow's JPEG draft mode decodes at 1/2, 1/4 or 1/8 of the size, which saves most of the decode.
 
-Image folders are class folders as torchvision's ImageFolder reads them: <data_dir>/train/<class>/*.jpg and
-<data_dir>/val/<class>/*.jpg (ImageNet's layout), or without train/ and val/, <data_dir>/<class>/*.jpg split into
-training and validation by data.val_fraction.
+Image folders (class folders as torchvision's ImageFolder reads them) are data/folders.py's.
 
 A Preprocessing records how an image file becomes the tensor a model was validated on. A checkpoint and every
 export carry it, so `hvd-train predict` (and a user's own inference code) feed a model what its validation set fed
@@ -36,7 +34,6 @@ it. Two ways of sizing exist, as in the data sets that ship:
   center_crop  photos (image folders, their shards): the shorter side resized to size * 256 / 224, the centre
                size x size cut out, pixels / 255, then (x - mean) / std (ImageNet's mean and std).
 """
-import collections
 import io
 import logging
 import math
@@ -47,18 +44,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Un
 
 import torch
 from torch.utils.data import Subset
-from torchvision.datasets import ImageFolder
-from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from hvd_train.data.arrays import ImageTensorDataset
-from hvd_train.data.download import contents
-from hvd_train.errors import UNREADABLE_IMAGE, BadSampleError, DataError
+from hvd_train.errors import UNREADABLE_IMAGE, BadSampleError
 
 if TYPE_CHECKING:
     from PIL import Image
     from torch.utils.data import Dataset
-
-    from hvd_train.data.augment import Augmentation
 
 SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 # The most pixels an image may have: its header is read before its pixels, so a small file that would decode to
@@ -217,7 +209,7 @@ def val_crop(width: int, height: int, size: int) -> tuple[float, float, float, f
 
 def header(data: bytes) -> tuple[int, int, bool]:
     """(width, height, is_jpeg) of an encoded image from its header alone; an image over the pixel bound is refused
-    before anything is decoded (data/images.py)."""
+    before anything is decoded."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
@@ -433,150 +425,6 @@ log = logging.getLogger("hvd_train")
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, the usual choice for photographs
 
 
-def transforms(image_size: int, train: bool, augment: "Optional[Augmentation]" = None) -> PhotoTransform:
-    """A file's path (or its bytes) -> uint8 (3, size, size) (data/images.py). Training: RandomResizedCrop and flip,
-    then timm's policy or colour jitter where --aa or --color-jitter ask for them (augment: a
-    data.augment.Augmentation; off: the evaluation transform). Evaluation: resize, centre crop. Normalisation and
-    random erasing happen on the device (hvd_train/trainer.py)."""
-
-    train = train and (augment is None or augment.enabled)
-    policy = augment.pil_policy(image_size, MEAN) if train and augment is not None else None
-    return PhotoTransform(image_size, train, policy)
-
-
-def path_of(path: str) -> str:
-    """ImageFolder's loader: the path itself, for the transform to read (it decodes only what its crop needs)."""
-    return path
-
-
-def read_image(path: str, image_size: Optional[int] = None) -> "Image.Image":
-    """Open an image as RGB; a file that does not decode is named, with the way out. Read by the bounded reader
-    (data/images.py: regular files of a bounded size only); with image_size, one whose resize for validation would
-    pass the pixel bound is refused too, from its header."""
-    import io
-
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(read_image_file(path))) as image:
-            if image_size:
-                check_resize(image.width, image.height, *resized_shape(image.width, image.height,
-                                                                       val_side(image_size)))
-            return as_mode(image, "RGB")
-    except UNREADABLE_IMAGE as e:  # a broken file, or one over Pillow's pixel limit
-        raise BadSampleError(f"{path}: cannot read this image ({e}); fix or remove the file, or pass "
-                             f"--data.skip_bad_files to leave out every file that does not decode") from None
-
-
-def is_image_file(path: str) -> bool:
-    """Whether ImageFolder should read the file: an image extension, and not hidden (macOS leaves .DS_Store and
-    ._name.jpg resource forks beside images; editors leave .name.swp)."""
-    return not os.path.basename(path).startswith(".") and has_file_allowed_extension(path, IMG_EXTENSIONS)
-
-
-def decodes(path: str, image_size: Optional[int] = None) -> bool:
-    """Whether the file is an image that decodes completely (a full decode: truncated files fail too), and that
-    training and validation at image_size can resize within the pixel bound."""
-    try:
-        read_image(path, image_size)
-        return True
-    except BadSampleError:
-        return False
-
-
-def load(data_dir: str, image_size: int, skip_bad_files: bool = False, augment: "Optional[Augmentation]" = None
-         ) -> tuple["ClassFolders", "ClassFolders", bool]:
-    """(train, val, presplit): train/ and val/ trees when present (presplit=True), else the whole tree twice, with
-    training and evaluation transforms, for the caller to split by index. Files that are not images by name are
-    ignored; with skip_bad_files every image is decoded once here and those that fail are left out (and counted)."""
-    if not os.path.isdir(data_dir):
-        raise DataError(f"image folder not found: {data_dir} does not exist (--data-dir)")
-    train_dir, val_dir = os.path.join(data_dir, "train"), os.path.join(data_dir, "val")
-    presplit = os.path.isdir(train_dir) and os.path.isdir(val_dir)
-    if not presplit:
-        train_dir = val_dir = data_dir
-    for root in dict.fromkeys((train_dir, val_dir)):
-        check_classes(root)
-    if presplit:
-        check_same_classes(data_dir, class_folders(train_dir), class_folders(val_dir))
-    bad = []
-
-    def keep(path: str) -> bool:
-        if not is_image_file(path):
-            return False
-        if not skip_bad_files or decodes(path, image_size):
-            return True
-        if path not in bad:
-            bad.append(path)
-        return False
-
-    try:
-        train = ClassFolders(train_dir, transform=transforms(image_size, True, augment), loader=path_of,
-                             is_valid_file=keep)
-        val = ClassFolders(val_dir, transform=transforms(image_size, False), loader=path_of, is_valid_file=keep)
-    except FileNotFoundError as e:  # a class whose every image was left out as undecodable
-        raise DataError(f"image folder {data_dir}: {e}; {len(bad)} file(s) do not decode, e.g. {bad[:1]}: fix them "
-                        f"or remove those class folders") from None
-    if bad:
-        log.info("left out %d image(s) that do not decode (--data.skip_bad_files), e.g. %s", len(bad), bad[0])
-    check_same_classes(data_dir, train.classes, val.classes)
-    warn_lonely_classes(train, presplit)
-    return train, val, presplit
-
-
-def check_same_classes(data_dir: str, train: Sequence[str], val: Sequence[str], shown: int = 10) -> None:
-    """train/ and val/ must hold the same class folders (a class is its folder's index in sorted order): else a
-    DataError naming the classes only in train/ and those only in val/ (the first `shown` of each)."""
-    if list(train) == list(val):
-        return
-
-    def named(classes: list[str]) -> str:
-        more = f" and {len(classes) - shown} more" if len(classes) > shown else ""
-        return (", ".join(classes[:shown]) + more) if classes else "none"
-
-    only_train = sorted(set(train) - set(val))
-    only_val = sorted(set(val) - set(train))
-    raise DataError(f"image folder {data_dir}: train/ and val/ have different class folders: only in train/: "
-                    f"{named(only_train)}; only in val/: {named(only_val)}; give both the same class folders (a "
-                    f"class is known by its folder's place in sorted order)")
-
-
-def warn_lonely_classes(train: "ClassFolders", presplit: bool) -> None:
-    """A class with one image cannot be both learnt and validated (the split puts it on one side), which is most
-    often a misplaced file or folder: said, as training can still go on."""
-    counts = collections.Counter(label for _, label in train.samples)
-    lonely = [train.classes[c] for c in range(len(train.classes)) if counts[c] < 2]
-    if lonely:
-        where = "its training folder" if presplit else "it"
-        log.info("warning: image folder: class(es) %s have fewer than 2 images in %s, so they cannot be both trained "
-                 "on and validated; check for a misplaced file or folder", ", ".join(lonely[:5]), where)
-
-
-class ClassFolders(ImageFolder):
-    """torchvision's ImageFolder without hidden folders as classes (.ipynb_checkpoints, .snapshot, .Trash)."""
-
-    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
-        classes = class_folders(directory)
-        return classes, {name: i for i, name in enumerate(classes)}
-
-
-def class_folders(root: str) -> list[str]:
-    return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-
-
-def check_classes(root: str) -> None:
-    """One folder per class, each holding at least one image file: else a message that names the folders."""
-    classes = class_folders(root)
-    if not classes:
-        raise DataError(f"image folder {root}: {contents(root)}, but no class folders; ImageFolder reads "
-                        f"{root}/<class>/<image> (one folder per class), optionally under train/ and val/")
-    empty = [c for c in classes if not any(is_image_file(os.path.join(folder, f))
-                                           for folder, _, files in os.walk(os.path.join(root, c)) for f in files)]
-    if empty:
-        raise DataError(f"image folder {root}: class folder(s) {', '.join(empty)} hold no image files ("
-                        f"{', '.join(IMG_EXTENSIONS)}); put images in them or remove them (each folder is a class)")
-
-
 RESIZES = ("stretch", "center_crop")
 CLASS_NAMES = {
     "digits": tuple(str(i) for i in range(10)),
@@ -643,13 +491,10 @@ class Preprocessing:
 
     def load(self, path: str) -> torch.Tensor:
         """The image file at `path`, ready for the model (without the batch axis). A photo (center_crop, 3 channels)
-        goes through validation's own code (data/images.py), so predict sees what validation saw."""
-        import io
-
-        import torch
+        goes through validation's own code (Preprocessing below), so predict sees what validation saw."""
         from PIL import Image
 
-        data = read_image_file(path)  # a regular file of a bounded size, or refused unread (data/images.py)
+        data = read_image_file(path)  # a regular file of a bounded size, or refused unread (read_image_file)
         if self.resize == "center_crop" and self.channels == 3:
             # encoded=False: the transform gives the uint8 tensor, never an Encoded
             pixels = cast(torch.Tensor, PhotoTransform(self.image_size, train=False).from_bytes(data)).float() / 255.0

@@ -76,7 +76,7 @@ def transform_for(facts: Mapping[str, Any], image_size: int, train: bool,
     if facts.get("transform") == "samples":  # a user's samples come back as they were written: nothing to do
         return None
     if facts.get("transform") == "photos":
-        from hvd_train.data.images import transforms
+        from hvd_train.data.folders import transforms
 
         return transforms(image_size, train, augmentation)
     steps = [T.PILToTensor()]
@@ -246,7 +246,7 @@ def collate(batch: Sequence[tuple[Any, Any]]) -> "tuple[Union[torch.Tensor, Enco
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Loaders: what fit() needs of a training loader (len, iter) and of a sampler (set_epoch), in one object
+# Loaders: what fit_epochs() needs of a training loader (len, iter) and of a sampler (set_epoch), in one object
 
 
 class ShardLoader:

@@ -127,8 +127,8 @@ class Trainer:
 
 
 class Hooks:
-    """What a mode adds to fit(); these defaults suit a fixed set of ranks with a DistributedSampler. `saves`: the
-    checkpoints taken between epoch ends (hvd_train/run/checkpoint.py), told of every step."""
+    """What a mode adds to fit_epochs(); these defaults suit a fixed set of ranks with a DistributedSampler.
+    `saves`: the checkpoints taken between epoch ends (hvd_train/run/checkpoint.py), told of every step."""
 
     def __init__(self, sampler: Optional[torch.utils.data.Sampler] = None,
                  on_epoch_end: Optional[Callable[[int, dict[str, Any]], Optional[bool]]] = None,

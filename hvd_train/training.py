@@ -54,8 +54,7 @@ from hvd_train.run.checkpoint import (
     restore_rank_buffers,
 )
 from hvd_train.run.directory import RunDir, write_config
-from hvd_train.run.reports import write_summary
-from hvd_train.run.reports import log_rescale, log_setup
+from hvd_train.run.reports import log_rescale, log_setup, write_summary
 from hvd_train.run.state import AfterEpoch, RunState, outputs_for
 from hvd_train.run.tracking import local_mlflow, open_trackers
 from hvd_train.tasks import samples_in

@@ -101,7 +101,6 @@ class _Section:
     """
 
     def __post_init__(self) -> None:
-
         section = next(s.name for s in dataclasses.fields(Config) if s.type is type(self))
         for f in (f for f in dataclasses.fields(cast("DataclassInstance", self)) if f.type is float):
             value = getattr(self, f.name)

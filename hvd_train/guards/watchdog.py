@@ -59,7 +59,9 @@ from hvd_utils.runtime import rank as rank_of_this_process
 EXIT_CODE = 4  # a rank froze: the job was ended by the watchdog
 BEAT = struct.Struct("!IQQI")  # rank, progress, sequence number, SIGUSR2s it was sent; then the MAC
 MAC_BYTES = 16  # HMAC-SHA256, truncated: forging one takes 2**128 tries
-_active = None  # the process's watchdog, if one runs: the engine's tick()/busy() reach it without being passed it
+# The process's watchdog, if one runs: the training loop's tick()/busy() (hvd_train/trainer.py) reach it without
+# being passed it.
+_active = None
 
 
 @dataclass(frozen=True)

@@ -580,8 +580,8 @@ class SaveTimes:
 
 
 class StepSaves:
-    """Told of every optimizer step (engine Hooks.after_step); writes the checkpoints due within the epoch and stops
-    the run, after one, when a signal or the time limit asks."""
+    """Told of every optimizer step (hvd_train/trainer.py Hooks.after_step); writes the checkpoints due within the
+    epoch and stops the run, after one, when a signal or the time limit asks."""
 
     def __init__(self, cfg: "Config", after_epoch: "AfterEpoch", deadline: Optional[float] = None) -> None:
         c = cfg.checkpoint

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from hvd_train.data.images import is_image_file, kind_of
+from hvd_train.data.folders import is_image_file
+from hvd_train.data.images import kind_of
 from hvd_train.errors import UNREADABLE_IMAGE, CheckpointError, ConfigError, say
 from hvd_train.provenance import TRUST_FLAG
 from hvd_train.tools.inference import ONNX_BYTES_PER_INPUT_BYTE, load_runner

@@ -140,7 +140,7 @@ def test_a_users_data_set_of_dict_samples_becomes_shards_and_trains_from_them(tm
 def test_a_16_bit_png_is_scaled_not_clipped_to_white(tmp_path):
     from PIL import Image
 
-    from hvd_train.data.images import read_image
+    from hvd_train.data.folders import read_image
     from hvd_train.data.images import Preprocessing
 
     ramp = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000)  # 0 to 63000 of 65535
@@ -156,7 +156,7 @@ def test_an_image_of_unknown_range_is_refused_by_name(tmp_path):
     from PIL import Image
 
     from hvd_train.errors import BadSampleError
-    from hvd_train.data.images import read_image
+    from hvd_train.data.folders import read_image
 
     Image.fromarray(np.ones((4, 4), dtype=np.float32) * 3.5).save(tmp_path / "depth.tiff")
     with pytest.raises(BadSampleError, match=r"depth.tiff: cannot read this image \(a floating-point image"):

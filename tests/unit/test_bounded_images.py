@@ -282,7 +282,7 @@ def test_skip_bad_files_leaves_out_what_is_not_an_image_file_without_reading_it(
     shutil.copytree(photos[0], folder)
     bad = [make(folder / "train" / "dog" / f"{kind}.png") for kind, (make, _) in sorted(NOT_FILES.items())]
     bad.append(thin_png(folder / "val" / "dog" / "thin.png"))
-    check = ("import sys\nfrom hvd_train.data.images import decodes\n"
+    check = ("import sys\nfrom hvd_train.data.folders import decodes\n"
              "print([decodes(p, 224) for p in sys.argv[1:]])\n")
     good = str(folder / "train" / "dog" / "0.png")
     proc = subprocess.run([sys.executable, "-c", check, good, *bad], capture_output=True, text=True, cwd=ROOT,

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import BIN, ROOT, job_env, run_app
-from hvd_train.data.images import MEAN, STD, transforms
+from hvd_train.data.folders import transforms
+from hvd_train.data.images import MEAN, STD
 from hvd_train.trainer import Feed
 from formats import write_image_folder
 

@@ -58,3 +58,13 @@ def test_an_import_cycle_even_inside_a_function_breaks_the_lint(tmp_path):
     assert "BROKEN" in broken.stdout and "hvd_train.errors" in broken.stdout
     plan = floor_plan(root)
     assert any("hvd_train.errors" in cycle for cycle in plan.cycles(plan.graph(plan.product_modules())))
+
+
+def test_the_app_trains_without_torchvision(tmp_path):
+    """torchvision is optional (image folders, timm's policies, torchvision's models need it): the training path
+    imports it nowhere at module level, so a merge of modules cannot make it required unnoticed."""
+    code = ("import sys\nsys.modules['torchvision'] = None\nimport train_hvd\n"
+            f"sys.exit(train_hvd.main(['--epochs', '1', '--output-dir', {str(tmp_path / 'run')!r}]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (tmp_path / "run" / "summary.json").is_file()
