@@ -89,12 +89,8 @@ class StepOptions:
     @classmethod
     def from_config(cls, cfg: "Config", is_main: bool) -> "StepOptions":
         show = is_main and cfg.logging.progress
-        return cls(cfg.optim, cfg.horovod, cfg.logging, cfg.run, show, show and on_terminal())
-
-    @property
-    def accumulate(self) -> int:
-        """Backward passes per optimizer step (horovod.batches_per_allreduce)."""
-        return self.horovod.batches_per_allreduce
+        return cls(optim=cfg.optim, horovod=cfg.horovod, logging=cfg.logging, run=cfg.run, show_progress=show,
+                   terminal=show and on_terminal())
 
 
 @dataclass
@@ -180,21 +176,23 @@ class Hooks:
 
 
 def train_step(trainer: Trainer, batch: Any) -> dict[str, Any]:
-    """One optimizer step on one batch, split into `accumulate` backward passes; returns the batch's metric sums.
+    """One optimizer step on one batch, split into horovod.batches_per_allreduce backward passes; returns the batch's
+    metric sums.
 
-    Horovod's DistributedOptimizer allreduces each gradient after `accumulate` backward passes. The step then
+    Horovod's DistributedOptimizer allreduces each gradient after that many backward passes. The step then
     goes synchronize -> unscale/clip -> step without a second synchronize, so the scaler and the clipping see
     the averaged gradients, not this rank's.
     """
     t, opts, clock = trainer, trainer.opts, trainer.clock
+    accumulate = opts.horovod.batches_per_allreduce
     t.optimizer.zero_grad()  # Horovod's wrapper takes no arguments; torch's default sets the gradients to None
     sums: dict[str, Any] = {}
     n = t.task.samples(batch)
-    for chunk in split_batch(batch, opts.accumulate) if opts.accumulate > 1 else [batch]:
+    for chunk in split_batch(batch, accumulate) if accumulate > 1 else [batch]:
         with autocast(t.device, opts.optim.amp):
             loss, chunk_sums = t.task.step(t.model, chunk)
         # Weight each chunk by its share of the batch: the gradient is the batch mean, however it was split.
-        weighted = loss * (chunk_sums["count"] / n) if opts.accumulate > 1 else loss
+        weighted = loss * (chunk_sums["count"] / n) if accumulate > 1 else loss
         (t.scaler.scale(weighted) if t.scaler is not None else weighted).backward()
         for key, value in chunk_sums.items():
             sums[key] = sums[key] + value if key in sums else value

@@ -139,10 +139,13 @@ def optimizer(cfg: Config, model: nn.Module, lr: float) -> torch.optim.Optimizer
 def wire_options(cfg: Config) -> hvd_utils.WireOptions:
     """How Horovod's DistributedOptimizer averages the gradients: the horovod section, as hvd_utils takes it."""
     h = cfg.horovod
-    low = hvd_utils.PowerSGD(h.powersgd_rank, None if h.powersgd_start_step < 0 else h.powersgd_start_step,
-                             h.powersgd_min_compression) if h.powersgd_rank else None
-    return hvd_utils.WireOptions(h.batches_per_allreduce, h.fp16_allreduce, h.bf16_allreduce, h.use_adasum,
-                                 h.gradient_predivide_factor, h.elastic, h.shard_optimizer, low)
+    low = hvd_utils.PowerSGD(rank=h.powersgd_rank,
+                             start_step=None if h.powersgd_start_step < 0 else h.powersgd_start_step,
+                             min_compression=h.powersgd_min_compression) if h.powersgd_rank else None
+    return hvd_utils.WireOptions(batches_per_allreduce=h.batches_per_allreduce, fp16_allreduce=h.fp16_allreduce,
+                                 bf16_allreduce=h.bf16_allreduce, use_adasum=h.use_adasum,
+                                 gradient_predivide_factor=h.gradient_predivide_factor, elastic=h.elastic,
+                                 shard=h.shard_optimizer, powersgd=low)
 
 
 def trainer(cfg: Config, info: DataInfo, rt: hvd_utils.Runtime, model: nn.Module, task: tasks.RunTask,

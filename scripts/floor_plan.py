@@ -13,6 +13,7 @@ annotated when its return and every parameter but self and cls carry an annotati
 """
 import argparse
 import ast
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -174,29 +175,46 @@ def torch_io(modules):
     return found
 
 
+@dataclasses.dataclass
+class Plan:
+    """The floor plan's figures (the lists behind them, for messages)."""
+    modules: list
+    flat: list
+    cycles: list
+    chain: list
+    torch_io: list
+    annotated: int
+    public: int
+
+
+def measure():
+    """The figures of the checkout this script is in."""
+    modules = product_modules()
+    edges = graph(modules)
+    flat = [m for m, p in modules.items() if p.parent == ROOT / "hvd_train" and p.name != "__init__.py"]
+    annotated, public = public_functions(modules)
+    return Plan(sorted(modules), flat, cycles(edges), longest_chain(edges), torch_io(modules), annotated, public)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", action="store_true", help="list every cycle and the longest chain")
     args = parser.parse_args(argv)
-    modules = product_modules()
-    edges = graph(modules)
-    found = cycles(edges)
-    chain = longest_chain(edges)
-    flat = [m for m, p in modules.items() if p.parent == ROOT / "hvd_train" and p.name != "__init__.py"]
-    annotated, total = public_functions(modules)
-    io = torch_io(modules)
-    rows = [("product modules", len(modules)),
-            ("flat modules at the top of hvd_train/", len(flat)),
-            ("import cycles (imports inside functions included)", len(found)),
-            ("longest chain of top-level imports (modules)", len(chain)),
-            ("modules outside tools/ that call torch.save or torch.load", f"{len(io)} ({', '.join(io)})"),
-            ("annotated public functions", f"{annotated} of {total} ({100 * annotated / max(total, 1):.0f}%)")]
+    plan = measure()
+    rows = [("product modules", len(plan.modules)),
+            ("flat modules at the top of hvd_train/", len(plan.flat)),
+            ("import cycles (imports inside functions included)", len(plan.cycles)),
+            ("longest chain of top-level imports (modules)", len(plan.chain)),
+            ("modules outside tools/ that call torch.save or torch.load",
+             f"{len(plan.torch_io)} ({', '.join(plan.torch_io)})"),
+            ("annotated public functions",
+             f"{plan.annotated} of {plan.public} ({100 * plan.annotated / max(plan.public, 1):.0f}%)")]
     for label, value in rows:
         print(f"{label:60} {value}")
     if args.cycles:
-        for component in found:
+        for component in plan.cycles:
             print("cycle:", " ".join(component))
-        print("longest chain:", " -> ".join(chain))
+        print("longest chain:", " -> ".join(plan.chain))
     return 0
 
 

@@ -178,9 +178,11 @@ class JobFacts:
 
     @classmethod
     def of(cls, cfg: "Config", rt: hvd_utils.Runtime) -> "JobFacts":
-        return cls(cfg.run.name or "default", cfg.model.name, cfg.model.compiled_as, cfg.optim.batch_size, rt.size,
-                   rt.local_size, str(rt.device), rt.controller, rt.tensor_ops, rt.fusion_threshold_mb,
-                   rt.cycle_time_ms, rt.autotune, rt.threads)
+        return cls(config_name=cfg.run.name or "default", model=cfg.model.name, compile=cfg.model.compiled_as,
+                   batch_size_per_rank=cfg.optim.batch_size, world_size=rt.size, local_size=rt.local_size,
+                   device=str(rt.device), controller=rt.controller, tensor_ops=rt.tensor_ops,
+                   fusion_threshold_mb=rt.fusion_threshold_mb, cycle_time_ms=rt.cycle_time_ms,
+                   autotune=rt.autotune, threads_per_rank=rt.threads)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,17 +17,13 @@ def floor_plan(root=ROOT):
 
 
 def test_the_package_keeps_its_floor_plan():
-    plan = floor_plan()
-    modules = plan.product_modules()
-    edges = plan.graph(modules)
-    flat = [m for m, p in modules.items() if p.parent == ROOT / "hvd_train" and p.name != "__init__.py"]
-    annotated, public = plan.public_functions(modules)
-    assert len(modules) <= 70, sorted(modules)
-    assert len(flat) <= 12, flat
-    assert plan.cycles(edges) == []
-    assert len(plan.longest_chain(edges)) <= 9, plan.longest_chain(edges)
-    assert len(plan.torch_io(modules)) <= 2, plan.torch_io(modules)
-    assert annotated >= 0.6 * public, (annotated, public)
+    plan = floor_plan().measure()
+    assert len(plan.modules) <= 70, plan.modules
+    assert len(plan.flat) <= 12, plan.flat
+    assert plan.cycles == []
+    assert len(plan.chain) <= 9, plan.chain
+    assert len(plan.torch_io) <= 2, plan.torch_io
+    assert plan.annotated >= 0.6 * plan.public, (plan.annotated, plan.public)
 
 
 def copy_of_the_package(tmp_path):
@@ -56,8 +52,7 @@ def test_an_import_cycle_even_inside_a_function_breaks_the_lint(tmp_path):
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert "No import cycle between modules or packages at any depth" in broken.stdout
     assert "BROKEN" in broken.stdout and "hvd_train.errors" in broken.stdout
-    plan = floor_plan(root)
-    assert any("hvd_train.errors" in cycle for cycle in plan.cycles(plan.graph(plan.product_modules())))
+    assert any("hvd_train.errors" in cycle for cycle in floor_plan(root).measure().cycles)
 
 
 def test_the_app_trains_without_torchvision(tmp_path):
